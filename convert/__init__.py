@@ -1,0 +1,1 @@
+"""Converters: DeepSpec / speculators drafters and GGUF targets to MLX."""

@@ -1,0 +1,1 @@
+"""DSpark speculative decoding for mlx-lm models."""

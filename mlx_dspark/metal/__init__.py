@@ -1,0 +1,1 @@
+"""Verification attention kernels: Metal body, CUDA twin, MLX reference."""
