@@ -1,0 +1,266 @@
+"""The DSpark drafter: a parallel draft backbone plus its small heads.
+
+The backbone sees one block ``[anchor, mask, ..., mask]`` at absolute
+positions ``start ..``; every layer attends, without a causal mask, to the
+block and to the projected target features of the committed tokens. The
+context keys/values are cached (committed tokens only); the block's own are
+recomputed each round and never stored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.activations import swiglu
+from mlx_lm.models.rope_utils import initialize_rope
+
+from .config import DraftConfig
+from .heads import ConfidenceHead, build_markov_head
+from .sampling import SamplingParams, sample
+
+
+@dataclass
+class DraftCache:
+    """Per-layer context keys/values of the committed tokens."""
+
+    keys: list[mx.array | None]
+    values: list[mx.array | None]
+    length: int = 0
+
+    def extend(self, layer: int, keys: mx.array, values: mx.array) -> None:
+        if self.keys[layer] is None:
+            self.keys[layer], self.values[layer] = keys, values
+        else:
+            self.keys[layer] = mx.concatenate([self.keys[layer], keys], axis=2)
+            self.values[layer] = mx.concatenate([self.values[layer], values], axis=2)
+
+
+@dataclass
+class Proposal:
+    """Draft tokens for one round with the distributions they were drawn from."""
+
+    tokens: mx.array
+    logits: mx.array
+    confidence: mx.array | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        dim, head_dim = config.hidden_size, config.head_dim
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.scale = head_dim**-0.5
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(dim, self.n_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * head_dim, dim, bias=bias)
+        self.q_norm = nn.RMSNorm(head_dim, eps=config.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(head_dim, eps=config.rms_norm_eps)
+        self.rope = initialize_rope(
+            head_dim,
+            base=config.rope_theta,
+            traditional=False,
+            scaling_config=config.rope_scaling,
+            max_position_embeddings=config.max_position_embeddings,
+        )
+
+    def _heads(self, x: mx.array, n_heads: int) -> mx.array:
+        B, L, _ = x.shape
+        return x.reshape(B, L, n_heads, -1).transpose(0, 2, 1, 3)
+
+    def key_values(self, x: mx.array, offset) -> tuple[mx.array, mx.array]:
+        keys = self.k_norm(self._heads(self.k_proj(x), self.n_kv_heads))
+        values = self._heads(self.v_proj(x), self.n_kv_heads)
+        return self.rope(keys, offset=offset), values
+
+    def __call__(
+        self,
+        x: mx.array,
+        offset,
+        context_keys: mx.array | None,
+        context_values: mx.array | None,
+        mask: mx.array | None = None,
+    ) -> mx.array:
+        B, L, _ = x.shape
+        queries = self.rope(
+            self.q_norm(self._heads(self.q_proj(x), self.n_heads)), offset=offset
+        )
+        keys, values = self.key_values(x, offset)
+        if context_keys is not None:
+            keys = mx.concatenate([context_keys, keys], axis=2)
+            values = mx.concatenate([context_values, values], axis=2)
+        out = mx.fast.scaled_dot_product_attention(
+            queries, keys, values, scale=self.scale, mask=mask
+        )
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        self.self_attn = DraftAttention(config)
+        self.mlp = DraftMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps
+        )
+
+    def __call__(self, x, offset, context_keys, context_values, mask=None):
+        h = x + self.self_attn(
+            self.input_layernorm(x), offset, context_keys, context_values, mask
+        )
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DSparkDrafter(nn.Module):
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        self.config = config
+        d = config.hidden_size
+        self.fc = nn.Linear(len(config.target_layer_ids) * d, d, bias=False)
+        self.hidden_norm = nn.RMSNorm(d, eps=config.rms_norm_eps)
+        self.layers = [DraftLayer(config) for _ in range(config.num_hidden_layers)]
+        self.norm = nn.RMSNorm(d, eps=config.rms_norm_eps)
+        self.markov_head = build_markov_head(config)
+        if config.enable_confidence_head:
+            self.confidence_head = ConfidenceHead(config.confidence_input_dim)
+        else:
+            self.confidence_head = None
+        self._shared_io: tuple[Callable, Callable] | None = None
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    def own_embeddings(self) -> None:
+        """Give the drafter its own embedding and LM head (checkpoint copies)."""
+        c = self.config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self._shared_io = None
+
+    def share_embeddings(
+        self,
+        embed: Callable[[mx.array], mx.array],
+        lm_head: Callable[[mx.array], mx.array],
+    ) -> None:
+        """Use the target's embedding and LM head instead of a second copy."""
+        for name in ("embed_tokens", "lm_head"):
+            if name in self:
+                del self[name]
+        self._shared_io = (embed, lm_head)
+
+    @property
+    def shares_embeddings(self) -> bool:
+        return self._shared_io is not None
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        if self._shared_io is None:
+            return self.embed_tokens(tokens)
+        return self._shared_io[0](tokens)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        if self._shared_io is None:
+            return self.lm_head(hidden)
+        return self._shared_io[1](hidden)
+
+    def make_cache(self) -> DraftCache:
+        n = len(self.layers)
+        return DraftCache([None] * n, [None] * n)
+
+    def block_tokens(self, anchor: mx.array) -> mx.array:
+        """``[anchor, mask, ..., mask]`` for a batch of anchors ``[B]``."""
+        masks = mx.full(
+            (anchor.shape[0], self.block_size - 1), self.config.mask_token_id
+        )
+        return mx.concatenate(
+            [anchor[:, None].astype(mx.int32), masks.astype(mx.int32)], axis=1
+        )
+
+    def __call__(
+        self,
+        block: mx.array,
+        start: int,
+        context: mx.array | None,
+        cache: DraftCache,
+    ) -> mx.array:
+        """Backbone hidden states of ``block`` (positions ``start ..``).
+
+        ``context`` holds the target features of the committed tokens the
+        cache has not seen yet; they are projected, cached and attended to.
+        """
+        h = self.embed(block)
+        if context is not None and context.shape[1] > 0:
+            offset = start - context.shape[1]
+            if offset != cache.length:
+                raise ValueError(
+                    f"context starts at {offset} but the draft cache holds {cache.length}"
+                )
+            projected = self.hidden_norm(self.fc(context))
+            for i, layer in enumerate(self.layers):
+                cache.extend(i, *layer.self_attn.key_values(projected, offset))
+            cache.length = start
+        for i, layer in enumerate(self.layers):
+            h = layer(h, start, cache.keys[i], cache.values[i])
+        return self.norm(h)
+
+    def confidence(self, hidden: mx.array, prev_tokens: mx.array) -> mx.array | None:
+        """Raw confidence logits from hidden states and the previous tokens."""
+        if self.confidence_head is None:
+            return None
+        if self.config.confidence_head_with_markov:
+            prev = self.markov_head.prev_embeddings(prev_tokens).astype(hidden.dtype)
+            hidden = mx.concatenate([hidden, prev], axis=-1)
+        return self.confidence_head(hidden).astype(mx.float32)
+
+    def propose(
+        self,
+        hidden: mx.array,
+        anchor: mx.array,
+        n: int,
+        params: SamplingParams,
+        key: mx.array | None,
+    ) -> Proposal:
+        """Sample ``n`` drafts left to right through the sequential head.
+
+        ``hidden`` is ``[B, block, d]``; ``anchor`` is ``[B]``. The returned
+        logits are the TSH-corrected ones the drafts were drawn from.
+        """
+        hidden = hidden[:, :n]
+        base = self.logits(hidden)
+        keys = [None] * n if key is None else list(mx.random.split(key, n))
+        if self.markov_head is None:
+            tokens = mx.stack(
+                [sample(base[:, k], params, keys[k]) for k in range(n)], axis=1
+            )
+            corrected = base
+        else:
+            head = self.markov_head
+            state = head.initial_state(anchor.shape)
+            prev, tokens, rows = anchor, [], []
+            for k in range(n):
+                state, bias = head.step(state, prev, hidden[:, k])
+                row = base[:, k] + bias.astype(base.dtype)
+                prev = sample(row, params, keys[k])
+                tokens.append(prev)
+                rows.append(row)
+            tokens, corrected = mx.stack(tokens, axis=1), mx.stack(rows, axis=1)
+        prev_tokens = mx.concatenate([anchor[:, None], tokens[:, :-1]], axis=1)
+        return Proposal(tokens, corrected, self.confidence(hidden, prev_tokens))

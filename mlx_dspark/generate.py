@@ -1,0 +1,315 @@
+"""``generate`` / ``stream_generate`` with DSpark speculation, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import typer
+from mlx_lm.generate import GenerationResponse
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .drafter import DSparkDrafter
+from .errors import DSparkError, run_cli
+from .loop import GenerationStats, ThresholdPolicy, speculative_generate_step
+from .sampling import SamplingParams
+from .target import TargetAdapter
+
+
+@dataclass
+class DSparkResponse(GenerationResponse):
+    """mlx-lm's response plus the speculation statistics so far."""
+
+    stats: GenerationStats | None = None
+
+
+def _encode(
+    tokenizer: TokenizerWrapper, prompt: str | list[int] | mx.array
+) -> mx.array:
+    if isinstance(prompt, mx.array):
+        return prompt
+    if isinstance(prompt, str):
+        bos = tokenizer.bos_token
+        prompt = tokenizer.encode(
+            prompt, add_special_tokens=bos is None or not prompt.startswith(bos)
+        )
+    if len(prompt) == 0:
+        raise DSparkError("The prompt is empty.")
+    return mx.array(prompt)
+
+
+def _check_num_draft(num_draft: int | None, drafter: DSparkDrafter) -> int:
+    block = drafter.block_size
+    if num_draft is None:
+        return block
+    if not 0 <= num_draft <= block:
+        raise DSparkError(
+            f"num_draft must be between 0 and the drafter's block size {block}, got {num_draft}."
+        )
+    return num_draft
+
+
+def _target_only_tokens(model, prompt, params: SamplingParams, max_tokens: int, seed):
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    if seed is not None:
+        mx.random.seed(seed)
+    sampler = make_sampler(
+        params.temperature, params.top_p, params.min_p, top_k=params.top_k
+    )
+    for token, _ in generate_step(
+        prompt, model, max_tokens=max_tokens, sampler=sampler
+    ):
+        yield int(token), False
+
+
+def stream_generate(
+    model: nn.Module,
+    tokenizer: Any,
+    drafter: DSparkDrafter | None,
+    prompt: str | list[int] | mx.array,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    seed: int | None = None,
+    num_draft: int | None = None,
+    confidence_threshold: float = 0.0,
+) -> Generator[DSparkResponse, None, None]:
+    """Like ``mlx_lm.stream_generate``; ``drafter=None`` decodes with the target alone."""
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    if max_tokens < 1:
+        raise DSparkError(f"max_tokens must be at least 1, got {max_tokens}.")
+    if not 0.0 <= confidence_threshold <= 1.0:
+        raise DSparkError(
+            f"confidence_threshold must be in [0, 1], got {confidence_threshold}."
+        )
+    params = SamplingParams(temperature, top_p, top_k, min_p)
+    prompt = _encode(tokenizer, prompt)
+
+    stats = None
+    if drafter is None:
+        tokens = _target_only_tokens(model, prompt, params, max_tokens, seed)
+    else:
+        stats = GenerationStats()
+        target = TargetAdapter(model, drafter.config.target_layer_ids)
+        tokens = speculative_generate_step(
+            prompt,
+            target,
+            drafter,
+            params=params,
+            num_draft=_check_num_draft(num_draft, drafter),
+            max_tokens=max_tokens,
+            policy=ThresholdPolicy(confidence_threshold),
+            seed=seed,
+            stats=stats,
+        )
+
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    tic = time.perf_counter()
+    prompt_tps = 0.0
+
+    def response(token, from_draft, n, finish_reason=None):
+        return DSparkResponse(
+            text=detokenizer.last_segment,
+            token=token,
+            logprobs=None,
+            from_draft=from_draft,
+            prompt_tokens=prompt.size,
+            prompt_tps=prompt_tps,
+            generation_tokens=n,
+            generation_tps=n / max(time.perf_counter() - tic, 1e-9),
+            peak_memory=mx.get_peak_memory() / 1e9,
+            finish_reason=finish_reason,
+            stats=stats,
+        )
+
+    for n, (token, from_draft) in enumerate(tokens):
+        if n == 0:
+            prompt_tps = prompt.size / max(time.perf_counter() - tic, 1e-9)
+            tic = time.perf_counter()
+        if token in tokenizer.eos_token_ids:
+            break
+        detokenizer.add_token(token)
+        if n + 1 == max_tokens:
+            break
+        yield response(token, from_draft, n + 1)
+    detokenizer.finalize()
+    reason = "stop" if token in tokenizer.eos_token_ids else "length"
+    yield response(token, from_draft, n + 1, reason)
+
+
+def format_stats(response: DSparkResponse) -> list[str]:
+    lines = [
+        f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec",
+        f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec",
+    ]
+    stats = response.stats
+    if stats is not None and stats.rounds:
+        by_position = " ".join(f"{rate:.2f}" for rate in stats.acceptance_by_position)
+        lines += [
+            f"Mean accepted length: {stats.mean_accepted_length:.2f} tokens per round ({len(stats.rounds)} rounds)",
+            f"Acceptance by position: {by_position or '-'}",
+            f"Draft / verify time: {stats.draft_time:.3f} s / {stats.verify_time:.3f} s",
+        ]
+    lines.append(f"Peak memory: {response.peak_memory:.3f} GB")
+    return lines
+
+
+def generate(
+    model: nn.Module,
+    tokenizer: Any,
+    drafter: DSparkDrafter | None,
+    prompt: str | list[int] | mx.array,
+    verbose: bool = False,
+    **kwargs,
+) -> str:
+    """Generate a complete response; see :func:`stream_generate` for arguments."""
+    if verbose:
+        print("=" * 10)
+    text = ""
+    for response in stream_generate(model, tokenizer, drafter, prompt, **kwargs):
+        if verbose:
+            print(response.text, end="", flush=True)
+        text += response.text
+    if verbose:
+        print()
+        print("=" * 10)
+        print("\n".join(format_stats(response)))
+    return text
+
+
+def _str2bool(value: str) -> bool:
+    lowered = value.lower()
+    if lowered not in ("true", "false", "1", "0", "yes", "no"):
+        raise DSparkError(f"--verbose expects true or false, got {value!r}.")
+    return lowered in ("true", "1", "yes")
+
+
+def _build_prompt(
+    tokenizer, prompt, system_prompt, ignore_chat_template, chat_template_config
+):
+    prompt = prompt.replace("\\n", "\n").replace("\\t", "\t")
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    if ignore_chat_template or not tokenizer.has_chat_template:
+        return prompt, True
+    template_kwargs = {}
+    if chat_template_config is not None:
+        try:
+            template_kwargs = json.loads(chat_template_config)
+        except json.JSONDecodeError:
+            raise DSparkError("--chat-template-config is not valid JSON.") from None
+    messages = (
+        [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
+    )
+    messages.append({"role": "user", "content": prompt})
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, **template_kwargs
+    )
+    return text, False
+
+
+def _cli(
+    model: str | None = typer.Option(
+        None,
+        "--model",
+        help="Target model path or Hugging Face repo (default: the built-in demo pair).",
+    ),
+    draft_model: str | None = typer.Option(
+        None, "--draft-model", help="DSpark drafter path or Hugging Face repo."
+    ),
+    prompt: str = typer.Option(
+        "hello", "--prompt", "-p", help="Prompt text, or - to read stdin."
+    ),
+    max_tokens: int = typer.Option(
+        100, "--max-tokens", "-m", help="Maximum number of tokens to generate."
+    ),
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Sampling top-p."),
+    top_k: int = typer.Option(0, "--top-k", help="Sampling top-k."),
+    min_p: float = typer.Option(0.0, "--min-p", help="Sampling min-p."),
+    seed: int | None = typer.Option(None, "--seed", help="Random seed."),
+    system_prompt: str | None = typer.Option(
+        None, "--system-prompt", help="System prompt for the chat template."
+    ),
+    ignore_chat_template: bool = typer.Option(
+        False, "--ignore-chat-template", help="Use the prompt as is."
+    ),
+    chat_template_config: str | None = typer.Option(
+        None, "--chat-template-config", help="JSON arguments for the chat template."
+    ),
+    verbose: str = typer.Option(
+        "true", "--verbose", help="Print tokens and timing (true/false)."
+    ),
+    n_draft: int | None = typer.Option(
+        None,
+        "--dspark-n-draft",
+        help="Drafts per round (at most the drafter's block size).",
+    ),
+    confidence_threshold: float = typer.Option(
+        0.0,
+        "--dspark-confidence-threshold",
+        help="Cut drafts at the first confidence below this (0 = off).",
+    ),
+) -> None:
+    """Generate text with a target model, sped up by a DSpark drafter."""
+    from .loading import load
+    from .structured import demo_pair
+
+    show = _str2bool(verbose)
+    if model is None:
+        if draft_model is not None:
+            raise DSparkError(
+                "--draft-model needs --model (the target it was trained for)."
+            )
+        model, draft_model = demo_pair()
+        print(
+            "No --model given: using the built-in demo pair, a tiny synthetic model "
+            f"built at {model} (not a language model).",
+            file=sys.stderr,
+        )
+    target, tokenizer, drafter = load(model, draft_model)
+    if drafter is None and (n_draft is not None or confidence_threshold):
+        raise DSparkError("--dspark-* options need --draft-model.")
+    text, raw = _build_prompt(
+        tokenizer, prompt, system_prompt, ignore_chat_template, chat_template_config
+    )
+    tokens = tokenizer.encode(text, add_special_tokens=raw)
+    result = generate(
+        target,
+        tokenizer,
+        drafter,
+        tokens,
+        verbose=show,
+        max_tokens=max_tokens,
+        temperature=temp,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        seed=seed,
+        num_draft=n_draft,
+        confidence_threshold=confidence_threshold,
+    )
+    if not show:
+        print(result)
+
+
+def main() -> None:
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    app.command()(_cli)
+    run_cli(app)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""Load a target and a DSpark drafter, and check that they belong together."""
+
+from __future__ import annotations
+
+import glob
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .config import DraftConfig
+from .drafter import DSparkDrafter
+from .errors import DSparkError
+from .target import TargetAdapter
+
+SHARED_TENSORS = ("embed_tokens.weight", "lm_head.weight")
+
+
+def resolve_path(path_or_repo: str | Path, what: str) -> Path:
+    """A local directory, or a Hugging Face repo id found through the hub cache."""
+    path = Path(path_or_repo).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise DSparkError(f"The {what} path {path} is a file, not a model directory.")
+    name = str(path_or_repo)
+    if name.startswith((".", "/", "~")) or name.count("/") != 1:
+        raise DSparkError(f"The {what} {name} does not exist.")
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
+    try:
+        return Path(
+            snapshot_download(name, allow_patterns=patterns, local_files_only=True)
+        )
+    except Exception:
+        pass
+    try:
+        return Path(snapshot_download(name, allow_patterns=patterns))
+    except Exception:
+        raise DSparkError(
+            f"The {what} {name} is neither a local directory nor a reachable "
+            "Hugging Face repository."
+        ) from None
+
+
+def read_config(path: Path) -> dict:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise DSparkError(f"{path} has no config.json.")
+    try:
+        return json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise DSparkError(f"{config_file} is not valid JSON.") from None
+
+
+def read_weights(path: Path) -> dict[str, mx.array]:
+    """All tensors of a directory's safetensors files (single or sharded)."""
+    files = sorted(glob.glob(str(path / "*.safetensors")))
+    if not files:
+        raise DSparkError(f"{path} has no .safetensors weights.")
+    weights = {}
+    for file in files:
+        try:
+            weights.update(mx.load(file))
+        except Exception:
+            raise DSparkError(
+                f"{file} is truncated or not a valid safetensors file."
+            ) from None
+    return weights
+
+
+def check_pair(config: DraftConfig, target: TargetAdapter) -> None:
+    if config.hidden_size != target.hidden_size:
+        raise DSparkError(
+            f"The drafter's hidden size {config.hidden_size} does not match the "
+            f"target's {target.hidden_size}; it was trained for another target."
+        )
+    if config.vocab_size != target.vocab_size:
+        raise DSparkError(
+            f"The drafter's vocabulary ({config.vocab_size}) does not match the "
+            f"target's ({target.vocab_size}); it was trained for another target."
+        )
+    if config.num_target_layers not in (None, target.num_layers):
+        raise DSparkError(
+            f"The drafter was trained on a target with {config.num_target_layers} "
+            f"layers, but this target has {target.num_layers}."
+        )
+    if not 0 <= config.mask_token_id < target.vocab_size:
+        raise DSparkError(
+            f"mask_token_id {config.mask_token_id} is outside the vocabulary "
+            f"(size {target.vocab_size})."
+        )
+
+
+def _same(a: mx.array, b: mx.array) -> bool:
+    return (
+        a.shape == b.shape
+        and mx.array_equal(a.astype(mx.float32), b.astype(mx.float32)).item()
+    )
+
+
+def build_drafter(
+    config: DraftConfig, weights: dict[str, mx.array], target: TargetAdapter | None
+) -> DSparkDrafter:
+    """Instantiate the drafter, sharing the target's embedding and head when possible."""
+    drafter = DSparkDrafter(config)
+    own = {k: weights.pop(k) for k in SHARED_TENSORS if k in weights}
+    share = target is not None and (
+        not own
+        or (
+            _same(
+                own.get("embed_tokens.weight", target.inner.embed_tokens.weight),
+                target.inner.embed_tokens.weight,
+            )
+            and _same(
+                own.get("lm_head.weight", _target_head_weight(target)),
+                _target_head_weight(target),
+            )
+        )
+    )
+    if share:
+        drafter.share_embeddings(target.embed, target.lm_head)
+    elif len(own) == len(SHARED_TENSORS):
+        drafter.own_embeddings()
+        weights.update(own)
+    else:
+        raise DSparkError(
+            "The drafter has no embedding or LM head of its own; load it with its target."
+        )
+    if config.quantization:
+        q = config.quantization
+        nn.quantize(
+            drafter,
+            group_size=q["group_size"],
+            bits=q["bits"],
+            class_predicate=lambda p, m: f"{p}.scales" in weights,
+        )
+    expected = {k for k, _ in tree_flatten(drafter.parameters())}
+    missing = sorted(expected - set(weights))
+    if missing:
+        raise DSparkError(
+            f"The drafter checkpoint is missing tensors: {', '.join(missing[:4])}."
+        )
+    unexpected = sorted(set(weights) - expected)
+    if unexpected:
+        raise DSparkError(
+            f"The drafter checkpoint has tensors this configuration does not use: "
+            f"{', '.join(unexpected[:4])}."
+        )
+    try:
+        drafter.load_weights(list(weights.items()))
+    except ValueError as error:
+        raise DSparkError(
+            f"The drafter's tensor shapes do not match its config: {error}"
+        ) from None
+    mx.eval(drafter.parameters())
+    return drafter
+
+
+def _target_head_weight(target: TargetAdapter) -> mx.array:
+    if "lm_head" in target.model:
+        return target.model.lm_head.weight
+    return target.inner.embed_tokens.weight
+
+
+def load_drafter(
+    path_or_repo: str | Path, target: nn.Module | None = None
+) -> DSparkDrafter:
+    """Load a DeepSpec-format (or converted MLX) drafter, optionally for ``target``."""
+    path = resolve_path(path_or_repo, "drafter")
+    config = DraftConfig.from_dict(read_config(path))
+    adapter = None
+    if target is not None:
+        adapter = TargetAdapter(target, config.target_layer_ids)
+        check_pair(config, adapter)
+    return build_drafter(config, read_weights(path), adapter)
+
+
+def load(
+    target: str | Path,
+    draft_model: str | Path | None = None,
+    tokenizer_config: dict | None = None,
+):
+    """Load ``(model, tokenizer, drafter)``; ``drafter`` is None without ``draft_model``."""
+    from mlx_lm.utils import load as mlx_lm_load
+
+    target_path = resolve_path(target, "model")
+    read_config(target_path)
+    try:
+        model, tokenizer = mlx_lm_load(
+            str(target_path), tokenizer_config=tokenizer_config
+        )
+    except (ValueError, FileNotFoundError, OSError) as error:
+        raise DSparkError(
+            f"Could not load the model at {target_path}: {error}"
+        ) from None
+    if draft_model is None:
+        return model, tokenizer, None
+    drafter = load_drafter(draft_model, model)
+    TargetAdapter(model, drafter.config.target_layer_ids).self_check()
+    return model, tokenizer, drafter

@@ -1,0 +1,225 @@
+"""The one generation loop: prefill, then draft / verify / commit rounds.
+
+How a round drafts and verifies (a chain now, a tree later) and how many
+drafts it sends to the target (fixed, threshold, scheduler) are parts plugged
+into :func:`speculative_generate_step`; the loop itself never changes.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import mlx.core as mx
+import numpy as np
+
+from .drafter import DraftCache, DSparkDrafter, Proposal
+from .sampling import SamplingParams, log_probs
+from .target import TargetAdapter
+from .verify import Verdict, draw, verdict
+
+
+@dataclass
+class RoundStats:
+    drafted: int
+    verified: int
+    accepted: int
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+
+
+@dataclass
+class GenerationStats:
+    rounds: list[RoundStats] = field(default_factory=list)
+    prompt_tokens: int = 0
+    prompt_time: float = 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens committed per round: accepted drafts plus the target's token."""
+        if not self.rounds:
+            return 0.0
+        return sum(r.accepted + 1 for r in self.rounds) / len(self.rounds)
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """For draft position k, the share of rounds verifying it that kept it."""
+        longest = max((r.verified for r in self.rounds), default=0)
+        rates = []
+        for k in range(1, longest + 1):
+            tried = [r for r in self.rounds if r.verified >= k]
+            rates.append(sum(r.accepted >= k for r in tried) / len(tried))
+        return rates
+
+    @property
+    def draft_time(self) -> float:
+        return sum(r.draft_time for r in self.rounds)
+
+    @property
+    def verify_time(self) -> float:
+        return sum(r.verify_time for r in self.rounds)
+
+    def summary(self) -> dict:
+        return {
+            "rounds": len(self.rounds),
+            "mean_accepted_length": self.mean_accepted_length,
+            "acceptance_by_position": self.acceptance_by_position,
+            "draft_time_s": self.draft_time,
+            "verify_time_s": self.verify_time,
+        }
+
+
+class DraftPolicy(Protocol):
+    def draft_length(self, proposal: Proposal, cap: int) -> int:
+        """How many of the proposal's first ``cap`` drafts to verify."""
+
+
+@dataclass
+class ThresholdPolicy:
+    """Cut at the first draft whose own confidence is below ``threshold``."""
+
+    threshold: float = 0.0
+
+    def draft_length(self, proposal: Proposal, cap: int) -> int:
+        if self.threshold <= 0 or proposal.confidence is None:
+            return cap
+        confidence = np.array(mx.sigmoid(proposal.confidence[0, :cap]))
+        below = np.flatnonzero(confidence < self.threshold)
+        return int(below[0]) if below.size else cap
+
+
+class ChainMode:
+    """Verify the first ``n`` drafts of one chain in a single target forward."""
+
+    def propose(
+        self,
+        drafter: DSparkDrafter,
+        hidden: mx.array,
+        anchor: mx.array,
+        cap: int,
+        params: SamplingParams,
+        key: mx.array,
+    ) -> Proposal:
+        proposal = drafter.propose(
+            hidden, anchor, cap, params, None if params.greedy else key
+        )
+        mx.eval(proposal.tokens, proposal.logits, proposal.confidence)
+        return proposal
+
+    def verify(
+        self,
+        target: TargetAdapter,
+        cache: list,
+        anchor: int,
+        proposal: Proposal,
+        n: int,
+        params: SamplingParams,
+        rng: np.random.Generator,
+    ) -> tuple[Verdict, list[int], mx.array]:
+        """Returns the verdict, the drafts verified and the features to commit."""
+        drafts = np.array(proposal.tokens[0, :n]).tolist()
+        logits, features = target(mx.array([[anchor, *drafts]]), cache)
+        mx.eval(logits, features)
+        result = verdict(
+            np.array(drafts, dtype=np.int64),
+            proposal.logits[0, :n],
+            logits[0],
+            params,
+            rng,
+        )
+        target.rollback(cache, n - result.accepted)
+        return result, drafts, features[:, : result.accepted + 1]
+
+
+def prefill(
+    target: TargetAdapter, prompt: mx.array, cache: list, step: int = 512
+) -> tuple[mx.array, mx.array]:
+    """Run the prompt through the target; last logits and every token's features."""
+    features = []
+    for begin in range(0, prompt.size, step):
+        logits, feats = target(prompt[None, begin : begin + step], cache)
+        mx.eval(logits, feats)
+        features.append(feats)
+    return logits[0, -1], mx.concatenate(features, axis=1)
+
+
+def first_token(
+    logits: mx.array, params: SamplingParams, rng: np.random.Generator
+) -> int:
+    if params.greedy:
+        return int(mx.argmax(logits).item())
+    return draw(np.exp(np.array(log_probs(logits, params), dtype=np.float64)), rng)
+
+
+def speculative_generate_step(
+    prompt: mx.array,
+    target: TargetAdapter,
+    drafter: DSparkDrafter,
+    *,
+    params: SamplingParams = SamplingParams(),
+    num_draft: int | None = None,
+    max_tokens: int = 256,
+    policy: DraftPolicy | None = None,
+    mode: ChainMode | None = None,
+    seed: int | None = None,
+    stats: GenerationStats | None = None,
+) -> Iterator[tuple[int, bool]]:
+    """Yield ``(token, from_draft)`` until ``max_tokens`` tokens are produced.
+
+    Stopping on end-of-sequence tokens is the caller's job; rounds may commit
+    past it, which does not change the tokens before it.
+    """
+    num_draft = drafter.block_size if num_draft is None else num_draft
+    policy = policy or ThresholdPolicy()
+    mode = mode or ChainMode()
+    stats = stats if stats is not None else GenerationStats()
+    seed = secrets.randbits(63) if seed is None else seed
+    rng = np.random.default_rng(seed)
+    key = mx.random.key(seed)
+
+    cache = target.make_cache()
+    draft_cache: DraftCache = drafter.make_cache()
+    tic = time.perf_counter()
+    logits, context = prefill(target, prompt, cache)
+    anchor = first_token(logits, params, rng)
+    stats.prompt_tokens, stats.prompt_time = prompt.size, time.perf_counter() - tic
+    yield anchor, False
+
+    produced, start = 1, prompt.size
+    while produced < max_tokens:
+        cap = min(num_draft, max_tokens - produced - 1)
+        tic = time.perf_counter()
+        if cap > 0:
+            key, round_key = mx.random.split(key)
+            anchor_array = mx.array([anchor])
+            hidden = drafter(
+                drafter.block_tokens(anchor_array), start, context, draft_cache
+            )
+            proposal = mode.propose(
+                drafter, hidden, anchor_array, cap, params, round_key
+            )
+            n = policy.draft_length(proposal, cap)
+        else:
+            proposal, n = Proposal(mx.zeros((1, 0), mx.int32), mx.zeros((1, 0, 1))), 0
+        drafted_at = time.perf_counter()
+        result, drafts, context = mode.verify(
+            target, cache, anchor, proposal, n, params, rng
+        )
+        stats.rounds.append(
+            RoundStats(
+                drafted=cap,
+                verified=n,
+                accepted=result.accepted,
+                draft_time=drafted_at - tic,
+                verify_time=time.perf_counter() - drafted_at,
+            )
+        )
+        for token in drafts[: result.accepted]:
+            yield token, True
+        yield result.next_token, False
+        produced += result.accepted + 1
+        start += result.accepted + 1
+        anchor = result.next_token

@@ -1,0 +1,83 @@
+"""Logit processing shared by the drafter and the target.
+
+Speculative sampling is exact only when draft and target distributions are
+processed the same way, so both go through :func:`log_probs`. The filters
+follow mlx-lm's sampler: top-p, then min-p, then top-k on the untempered
+log-probabilities, then the temperature.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .errors import DSparkError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+
+    def __post_init__(self):
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise DSparkError(f"temperature must be >= 0, got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise DSparkError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k < 0:
+            raise DSparkError(f"top_k must be >= 0, got {self.top_k}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise DSparkError(f"min_p must be in [0, 1], got {self.min_p}.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _top_p(logprobs: mx.array, top_p: float) -> mx.array:
+    sorted_logprobs = mx.sort(logprobs, axis=-1)
+    sorted_probs = mx.exp(sorted_logprobs)
+    mass_above = mx.cumsum(sorted_probs, axis=-1, reverse=True, inclusive=False)
+    total = mass_above[..., :1] + sorted_probs[..., :1]
+    dropped = (mass_above >= top_p * total).sum(axis=-1, keepdims=True)
+    threshold = mx.take_along_axis(sorted_logprobs, dropped, axis=-1)
+    return mx.where(logprobs < threshold, -mx.inf, logprobs)
+
+
+def _min_p(logprobs: mx.array, min_p: float) -> mx.array:
+    floor = logprobs.max(axis=-1, keepdims=True) + math.log(min_p)
+    return mx.where(logprobs < floor, -mx.inf, logprobs)
+
+
+def _top_k(logprobs: mx.array, top_k: int) -> mx.array:
+    if top_k >= logprobs.shape[-1]:
+        return logprobs
+    dropped = mx.argpartition(-logprobs, kth=top_k - 1, axis=-1)[..., top_k:]
+    return mx.put_along_axis(
+        logprobs, dropped, mx.array(-mx.inf, logprobs.dtype), axis=-1
+    )
+
+
+def log_probs(logits: mx.array, params: SamplingParams) -> mx.array:
+    """Processed log-probabilities (float32) that sampling draws from."""
+    logits = logits.astype(mx.float32)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    if 0.0 < params.top_p < 1.0:
+        logprobs = _top_p(logprobs, params.top_p)
+    if params.min_p > 0.0:
+        logprobs = _min_p(logprobs, params.min_p)
+    if params.top_k > 0:
+        logprobs = _top_k(logprobs, params.top_k)
+    scaled = logprobs * (1.0 / params.temperature)
+    return scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
+
+
+def sample(logits: mx.array, params: SamplingParams, key: mx.array | None) -> mx.array:
+    """One token per row: argmax when greedy, else a draw from :func:`log_probs`."""
+    if params.greedy:
+        return mx.argmax(logits, axis=-1)
+    return mx.random.categorical(log_probs(logits, params), key=key)

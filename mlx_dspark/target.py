@@ -1,0 +1,125 @@
+"""The target adapter: the one place that knows mlx-lm model internals.
+
+It runs the target's own layers so that the hidden states after
+``target_layer_ids`` come out of the same forward that produces the logits,
+and it rolls the KV cache back after rejected drafts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from .errors import DSparkError
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
+
+
+class TargetAdapter:
+    """Hidden-state taps, cache rollback and embeddings of an mlx-lm model.
+
+    ``layer_ids`` use DeepSpec indexing: -1 is the embedding output and ``i``
+    the output of layer ``i``.
+    """
+
+    def __init__(self, model: nn.Module, layer_ids: Sequence[int] = ()):
+        model_type = getattr(model, "model_type", None) or getattr(
+            getattr(model, "args", None), "model_type", None
+        )
+        inner = getattr(model, "model", None)
+        if model_type not in SUPPORTED_MODEL_TYPES or not all(
+            hasattr(inner, name) for name in ("embed_tokens", "layers", "norm")
+        ):
+            raise DSparkError(
+                f"Target model type {model_type!r} is not supported; "
+                f"supported families are {', '.join(SUPPORTED_MODEL_TYPES)}."
+            )
+        self.model = model
+        self.model_type = model_type
+        self.inner = inner
+        self.layers = inner.layers
+        self.layer_ids = [int(i) for i in layer_ids]
+        last = len(self.layers) - 1
+        for i in self.layer_ids:
+            if not -1 <= i < last:
+                raise DSparkError(
+                    f"target_layer_ids {self.layer_ids} must lie in -1..{last - 1} "
+                    f"for a target with {len(self.layers)} layers (not its last layer)."
+                )
+        if any(getattr(layer, "use_sliding", False) for layer in self.layers):
+            raise DSparkError(
+                "The target uses sliding-window attention, whose cache cannot be "
+                "rolled back after rejected drafts."
+            )
+
+    @property
+    def hidden_size(self) -> int:
+        return self.inner.embed_tokens.weight.shape[-1]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.inner.embed_tokens.weight.shape[0]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.inner.embed_tokens(tokens)
+
+    def lm_head(self, hidden: mx.array) -> mx.array:
+        if "lm_head" in self.model:
+            return self.model.lm_head(hidden)
+        return self.inner.embed_tokens.as_linear(hidden)
+
+    def make_cache(self) -> list:
+        cache = make_prompt_cache(self.model)
+        if not all(isinstance(c, KVCache) for c in cache):
+            kinds = sorted({type(c).__name__ for c in cache})
+            raise DSparkError(
+                f"The target's cache ({', '.join(kinds)}) cannot be rolled back "
+                "after rejected drafts."
+            )
+        return cache
+
+    def rollback(self, cache: list, n: int) -> None:
+        """Drop the last ``n`` tokens from every layer's cache."""
+        if n > 0:
+            for c in cache:
+                c.trim(n)
+
+    def __call__(
+        self, tokens: mx.array, cache: list
+    ) -> tuple[mx.array, mx.array | None]:
+        """Logits ``[B, L, V]`` and tapped features ``[B, L, len(ids) * d]``."""
+        h = self.embed(tokens)
+        mask = create_attention_mask(h, cache[0])
+        taps = [h] if -1 in self.layer_ids else []
+        for i, (layer, c) in enumerate(zip(self.layers, cache)):
+            h = layer(h, mask, c)
+            if i in self.layer_ids:
+                taps.append(h)
+        logits = self.lm_head(self.inner.norm(h))
+        features = mx.concatenate(taps, axis=-1) if taps else None
+        return logits, features
+
+    def self_check(
+        self, tokens: Sequence[int] = (1, 2, 3, 4, 5), atol: float = 1e-2
+    ) -> None:
+        """Refuse a model whose forward here differs from its own."""
+        vocab = self.vocab_size
+        ids = mx.array([[t % vocab for t in tokens]])
+        ours, _ = self(ids, self.make_cache())
+        theirs = self.model(ids, cache=make_prompt_cache(self.model))
+        ours, theirs = ours.astype(mx.float32), theirs.astype(mx.float32)
+        scale = mx.maximum(mx.abs(theirs).max(), 1.0)
+        error = (mx.abs(ours - theirs).max() / scale).item()
+        if not error <= atol:
+            raise DSparkError(
+                f"The target adapter does not reproduce this {self.model_type} model's "
+                f"logits (relative error {error:.3g}); its mlx-lm version may be unsupported."
+            )

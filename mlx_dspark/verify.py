@@ -1,0 +1,79 @@
+"""Chain acceptance: which drafts the target keeps, and the token after them.
+
+Greedy keeps the longest prefix equal to the target's argmax. Sampling uses
+rejection sampling with residual resampling, so committed tokens are an exact
+sample of the processed target distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from .sampling import SamplingParams, log_probs
+
+
+@dataclass
+class Verdict:
+    accepted: int
+    next_token: int
+
+
+def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """Inverse-CDF draw from an unnormalised probability vector."""
+    cdf = np.cumsum(probs, dtype=np.float64)
+    index = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    return min(index, len(probs) - 1)
+
+
+def accept_greedy(drafts: np.ndarray, target_logits: mx.array) -> Verdict:
+    """``target_logits`` is ``[n + 1, V]``: rows for the anchor and each draft."""
+    best = np.array(mx.argmax(target_logits, axis=-1))
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == best[accepted]:
+        accepted += 1
+    return Verdict(accepted, int(best[accepted]))
+
+
+def accept_sampled(
+    drafts: np.ndarray,
+    draft_logits: mx.array,
+    target_logits: mx.array,
+    params: SamplingParams,
+    rng: np.random.Generator,
+) -> Verdict:
+    """Keep draft ``i`` with probability ``min(1, p_i(x) / q_i(x))``.
+
+    On the first rejection the next token is drawn from ``max(p_i - q_i, 0)``;
+    if every draft survives it is drawn from the target's row after them.
+    """
+    n = len(drafts)
+    p = np.exp(np.array(log_probs(target_logits, params), dtype=np.float64))
+    q = (
+        np.exp(np.array(log_probs(draft_logits, params), dtype=np.float64))
+        if n
+        else None
+    )
+    for i in range(n):
+        x = drafts[i]
+        if rng.random() * q[i, x] < p[i, x]:
+            continue
+        residual = np.maximum(p[i] - q[i], 0.0)
+        if residual.sum() <= 0.0:
+            residual = p[i]
+        return Verdict(i, draw(residual, rng))
+    return Verdict(n, draw(p[n], rng))
+
+
+def verdict(
+    drafts: np.ndarray,
+    draft_logits: mx.array,
+    target_logits: mx.array,
+    params: SamplingParams,
+    rng: np.random.Generator,
+) -> Verdict:
+    if params.greedy:
+        return accept_greedy(drafts, target_logits)
+    return accept_sampled(drafts, draft_logits, target_logits, params, rng)
