@@ -99,7 +99,7 @@ class TargetAdapter:
         h = self.embed(tokens)
         mask = create_attention_mask(h, cache[0])
         taps = [h] if -1 in self.layer_ids else []
-        for i, (layer, c) in enumerate(zip(self.layers, cache)):
+        for i, (layer, c) in enumerate(zip(self.layers, cache, strict=True)):
             h = layer(h, mask, c)
             if i in self.layer_ids:
                 taps.append(h)
