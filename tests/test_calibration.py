@@ -1,6 +1,7 @@
 import itertools
 import json
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -168,3 +169,11 @@ def test_reliability_diagram(tmp_path):
     else:
         out = result.reliability_diagram(tmp_path / "rel.png")
         assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_reliability_diagram_without_matplotlib(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    z, survived = synthetic_rounds(500, T_TRUE, seed=6)
+    with pytest.raises(DSparkError, match=r"mlx-dspark\[plot\]"):
+        calibrate(z, survived).reliability_diagram(tmp_path / "rel.png")
+    assert not (tmp_path / "rel.png").exists()
