@@ -1,0 +1,179 @@
+import itertools
+import json
+import math
+import sys
+
+import numpy as np
+import pytest
+
+from mlx_dspark.calibration import (
+    CalibrationRecord,
+    CalibrationResult,
+    apply_sts,
+    calibrate,
+    evaluate,
+    expected_calibration_error,
+    fit_sts,
+    prefix_labels,
+    records_to_arrays,
+    roc_auc,
+    sigmoid,
+)
+from mlx_dspark.errors import DSparkError
+
+T_TRUE = np.array([2.5, 0.5, 1.5, 1.0])
+
+
+def synthetic_rounds(n, t_true, seed):
+    """Raw logits z; draft k survives (given 1..k-1 did) with p = sigmoid(z/T_k)."""
+    rng = np.random.default_rng(seed)
+    z = rng.normal(3.0, 3.0, size=(n, len(t_true)))
+    accepted = rng.random(z.shape) < sigmoid(z / np.asarray(t_true))
+    return z, prefix_labels(accepted)
+
+
+def brute_auc(scores, labels):
+    pos = [s for s, y in zip(scores, labels, strict=True) if y]
+    neg = [s for s, y in zip(scores, labels, strict=True) if not y]
+    total = sum(
+        1.0 if p > n else 0.5 if p == n else 0.0 for p, n in itertools.product(pos, neg)
+    )
+    return total / (len(pos) * len(neg))
+
+
+def test_auc_simple_cases():
+    assert roc_auc([0.1, 0.2, 0.8, 0.9], [0, 0, 1, 1]) == 1.0
+    assert roc_auc([0.9, 0.8, 0.2, 0.1], [0, 0, 1, 1]) == 0.0
+    assert roc_auc([0.5, 0.5, 0.5, 0.5], [0, 1, 0, 1]) == 0.5
+    assert math.isnan(roc_auc([0.1, 0.2], [1, 1]))
+    assert math.isnan(roc_auc([0.1, 0.2], [0, 0]))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_auc_matches_pairwise_brute_force_with_ties(seed):
+    rng = np.random.default_rng(seed)
+    scores = rng.integers(0, 6, size=40) / 5.0  # many ties
+    labels = rng.random(40) < 0.4
+    assert roc_auc(scores, labels) == pytest.approx(
+        brute_auc(scores, labels), abs=1e-12
+    )
+
+
+def test_ece_simple_cases():
+    assert expected_calibration_error([1.0, 1.0], [1, 1]) == 0.0
+    assert expected_calibration_error([0.0, 0.0], [1, 1]) == 1.0
+    # one bin holding 0.3 and 0.5, outcomes 1 and 0: |0.4 - 0.5| = 0.1
+    assert expected_calibration_error([0.3, 0.5], [1, 0], n_bins=1) == pytest.approx(
+        0.1
+    )
+    # two bins: |0.2 - 0| * 1/2 + |0.9 - 1| * 1/2
+    assert expected_calibration_error([0.2, 0.9], [0, 1], n_bins=2) == pytest.approx(
+        0.15
+    )
+
+
+def test_records_mark_unreached_as_zero_and_uncut_as_unknown():
+    recs = [
+        CalibrationRecord(np.arange(4.0), n_verified=4, n_accepted=1),  # fail at 2
+        CalibrationRecord(np.arange(4.0), n_verified=2, n_accepted=2),  # cut after 2
+        CalibrationRecord(np.arange(4.0), n_verified=2, n_accepted=0),  # fail at 1
+    ]
+    logits, survived, valid = records_to_arrays(recs)
+    assert logits.shape == (3, 4)
+    assert survived.astype(int).tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0]]
+    assert valid.astype(int).tolist() == [[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 0, 0]]
+
+
+def test_apply_sts_products():
+    z = np.array([[0.0, 2.0, -2.0]])
+    c, a = apply_sts(z, [1.0, 2.0, 0.5])
+    assert c[0].tolist() == pytest.approx([0.5, sigmoid(1.0), sigmoid(-4.0)])
+    assert a[0].tolist() == pytest.approx(np.cumprod(c[0]).tolist())
+    c1, a1 = apply_sts(z[0, :2], [1.0, 2.0, 0.5])  # one round, fewer positions
+    assert a1.tolist() == pytest.approx(a[0, :2].tolist())
+    with pytest.raises(ValueError):
+        apply_sts(np.zeros(4), [1.0])
+
+
+def test_sts_recovers_temperatures_and_calibrates():
+    z, survived = synthetic_rounds(20_000, T_TRUE, seed=0)
+    result = calibrate(z, survived)
+    temps = np.array(result.temperatures)
+    # Relative error |log(T / T_true)|: positions 1-3 within 15 %, position 4
+    # (only ~40 % of rounds reach it) within 25 %; seeds 0-9 stay inside both.
+    rel = np.abs(np.log(temps / T_TRUE))
+    assert rel[:3].max() < 0.15 and rel[3] < 0.25, temps
+    assert max(result.ece_after) < 0.03
+    assert result.ece_before[0] > 0.1  # T_1 = 2.5: raw scores badly over-confident
+    assert all(a < b for a, b in zip(result.ece_after, result.ece_before, strict=True))
+    # held-out rounds: fitted temperatures stay calibrated
+    z2, s2 = synthetic_rounds(20_000, T_TRUE, seed=1)
+    held = evaluate(z2, s2, temps)
+    assert max(held.ece_after) < 0.03
+    assert result.n_rounds == 20_000
+
+
+def test_sts_is_sequential():
+    """Changing position 3's data must not change T_1, T_2."""
+    z, survived = synthetic_rounds(5_000, T_TRUE, seed=2)
+    t_a = fit_sts(z, survived)
+    z_b = z.copy()
+    z_b[:, 2] *= 3.0
+    t_b = fit_sts(z_b, survived)
+    assert t_a[:2].tolist() == t_b[:2].tolist()
+    assert t_a[2] != t_b[2]
+
+
+def test_sts_respects_valid_mask():
+    z, survived = synthetic_rounds(5_000, T_TRUE, seed=3)
+    valid = np.ones_like(survived)
+    valid[:, 3] = False
+    temps = fit_sts(z, survived, valid=valid)
+    assert temps[3] == 1.0  # no data: left at identity
+    assert temps[:3].tolist() == fit_sts(z[:, :3], survived[:, :3]).tolist()
+
+
+def test_result_save_load_roundtrip(tmp_path):
+    z, survived = synthetic_rounds(2_000, T_TRUE, seed=4)
+    result = calibrate(z, survived)
+    result.auc_after[0] = float("nan")
+    path = tmp_path / "sts.json"
+    result.save(path)
+    json.loads(path.read_text())  # strict JSON (no NaN tokens)
+    assert "NaN" not in path.read_text()
+    loaded = CalibrationResult.load(path)
+    assert loaded.temperatures == result.temperatures
+    assert loaded.ece_after == result.ece_after
+    assert math.isnan(loaded.auc_after[0])
+    assert loaded.n_rounds == result.n_rounds
+    assert len(loaded.reliability_after) == 4
+
+
+def test_load_errors_are_user_errors(tmp_path):
+    with pytest.raises(DSparkError, match="does not exist"):
+        CalibrationResult.load(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    with pytest.raises(DSparkError, match="not a valid"):
+        CalibrationResult.load(bad)
+
+
+def test_reliability_diagram(tmp_path):
+    z, survived = synthetic_rounds(2_000, T_TRUE, seed=5)
+    result = calibrate(z, survived)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        with pytest.raises(DSparkError, match="matplotlib"):
+            result.reliability_diagram(tmp_path / "rel.png")
+    else:
+        out = result.reliability_diagram(tmp_path / "rel.png")
+        assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_reliability_diagram_without_matplotlib(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    z, survived = synthetic_rounds(500, T_TRUE, seed=6)
+    with pytest.raises(DSparkError, match=r"mlx-dspark\[plot\]"):
+        calibrate(z, survived).reliability_diagram(tmp_path / "rel.png")
+    assert not (tmp_path / "rel.png").exists()
