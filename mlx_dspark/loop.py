@@ -18,6 +18,7 @@ import numpy as np
 
 from .drafter import DraftCache, DSparkDrafter, Proposal
 from .sampling import SamplingParams, log_probs
+from .scheduler import threshold_cut
 from .target import TargetAdapter
 from .verify import Verdict, draw, verdict
 
@@ -84,11 +85,9 @@ class ThresholdPolicy:
     threshold: float = 0.0
 
     def draft_length(self, proposal: Proposal, cap: int) -> int:
-        if self.threshold <= 0 or proposal.confidence is None:
+        if proposal.confidence is None:
             return cap
-        confidence = np.array(mx.sigmoid(proposal.confidence[0, :cap]))
-        below = np.flatnonzero(confidence < self.threshold)
-        return int(below[0]) if below.size else cap
+        return threshold_cut(np.array(proposal.confidence[0, :cap]), self.threshold)
 
 
 class ChainMode:
