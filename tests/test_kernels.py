@@ -247,7 +247,10 @@ def test_generated_signature(binaries):
     assert instance.endswith("<float16_t, 128, 4>")
     buffers = [p.name for p in params if p.is_buffer]
     assert buffers == layout.INPUT_NAMES + layout.OUTPUT_NAMES
-    # Inputs of fewer than 8 elements are passed in the constant address space.
+    # Inputs of fewer than 8 elements are passed in the constant address space
+    # (the traced bitmask has 3); the shim turns a device/constant mix-up into
+    # a compile error, so compiling this source at all checks the body for it.
+    assert "const constant uint32_t* bitmask" in source
     assert "const constant int32_t* params" in source
     assert "const constant float* scale" in source
     assert "const device float16_t* q" in source
@@ -307,6 +310,11 @@ def test_cuda_twin_compiles(tmp_path):
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         list(pool.map(build, specs))
+
+
+def test_metal_body_leaves_address_spaces_to_deduction():
+    assert "device" not in tree_metal.METAL_SOURCE
+    assert "constant " not in tree_metal.METAL_SOURCE
 
 
 def test_cuda_body_mirrors_metal_body():

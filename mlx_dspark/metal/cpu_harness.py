@@ -172,7 +172,6 @@ def compile_kernel(
         opt,
         "-pthread",
         "-Wno-attributes",
-        "-Wno-pragma-once-outside-header",
     ]
     if sanitize:
         flags += ["-fsanitize=address", "-fno-omit-frame-pointer"]

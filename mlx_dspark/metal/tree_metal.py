@@ -16,6 +16,8 @@ from .layout import INPUT_NAMES, OUTPUT_NAMES, launch_args
 METAL_HEADER = ""
 
 # Template parameters: T (element type), D (head dim, multiple of 32), NSIMD.
+# Pointers are `auto`: MLX binds inputs of < 8 elements (params, scale, a small
+# bitmask) as `constant`, others as `device`, and the body must accept both.
 # params: see layout.kernel_params; L = prefix + N.
 METAL_SOURCE = """
     constexpr int LANE_ELEMS = D / 32;
@@ -40,10 +42,10 @@ METAL_SOURCE = """
     const int lane = thread_index_in_simdgroup;
     const float sc = scale[0];
 
-    const device T* qrow = q + ((size_t)bh * N + node) * D;
-    const device T* kbase = k + (size_t)(b * HKV + kvh) * L * D;
-    const device T* vbase = v + (size_t)(b * HKV + kvh) * L * D;
-    const device uint32_t* mrow = bitmask + (size_t)b * params[6] + (size_t)node * W;
+    const auto qrow = q + ((size_t)bh * N + node) * D;
+    const auto kbase = k + (size_t)(b * HKV + kvh) * L * D;
+    const auto vbase = v + (size_t)(b * HKV + kvh) * L * D;
+    const auto mrow = bitmask + (size_t)b * params[6] + (size_t)node * W;
 
     float qv[LANE_ELEMS];
     float acc[LANE_ELEMS];
@@ -59,7 +61,7 @@ METAL_SOURCE = """
         if (t >= 0 && ((mrow[t >> 5] >> (t & 31)) & 1u) == 0u) {
             continue;
         }
-        const device T* krow = kbase + (size_t)j * D;
+        const auto krow = kbase + (size_t)j * D;
         float s = 0.0f;
         for (int r = 0; r < LANE_ELEMS; ++r) {
             s += qv[r] * float(krow[r * 32 + lane]);
@@ -69,7 +71,7 @@ METAL_SOURCE = """
         const float corr = metal::fast::exp(m - m_new);
         const float p = metal::fast::exp(s - m_new);
         l = l * corr + p;
-        const device T* vrow = vbase + (size_t)j * D;
+        const auto vrow = vbase + (size_t)j * D;
         for (int r = 0; r < LANE_ELEMS; ++r) {
             acc[r] = acc[r] * corr + p * float(vrow[r * 32 + lane]);
         }
@@ -91,7 +93,7 @@ METAL_SOURCE = """
         l_all += tg_l[g] * metal::fast::exp(tg_m[g] - m_all);
     }
     const float inv = l_all > 0.0f ? 1.0f / l_all : 0.0f;
-    device T* orow = out + ((size_t)bh * N + node) * D;
+    auto orow = out + ((size_t)bh * N + node) * D;
     for (int d = sg * 32 + lane; d < D; d += NSIMD * 32) {
         float o = 0.0f;
         for (int g = 0; g < NSIMD; ++g) {

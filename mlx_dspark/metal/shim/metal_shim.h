@@ -2,7 +2,8 @@
 // Threadgroups run one after another on a pool of std::threads (one per
 // Metal thread); threadgroup memory becomes function-local statics shared by
 // that pool, simd reductions go through per-simdgroup scratch and barriers.
-#pragma once
+#ifndef DSPARK_METAL_SHIM_H
+#define DSPARK_METAL_SHIM_H
 
 #include <barrier>
 #include <cmath>
@@ -198,9 +199,14 @@ inline float exp(float x) { return std::exp(x); }
 
 }  // namespace metal
 
-// Address spaces vanish; threadgroup variables become statics shared by the
-// thread pool of the current threadgroup (groups never run concurrently).
+// Address spaces vanish, except that `constant` becomes `volatile` so that
+// binding a constant buffer (MLX passes inputs of < 8 elements that way) to a
+// plain pointer fails to compile, as it would in Metal. Threadgroup variables
+// become statics shared by the thread pool of the current threadgroup (groups
+// never run concurrently).
 #define device
-#define constant
+#define constant volatile
 #define threadgroup static
 #define thread
+
+#endif  // DSPARK_METAL_SHIM_H
