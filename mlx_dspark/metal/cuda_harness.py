@@ -1,15 +1,18 @@
 """Check the CUDA twin on an NVIDIA machine with CuPy (MLX not needed).
 
-    python mlx_dspark/metal/cuda_harness.py [--bench]
+    python mlx_dspark/metal/cuda_harness.py [--bench] [--nvcc]
 
 Compiles ``tree_cuda.standalone_source`` (the same source the nvcc test builds)
 with cupy.RawKernel, compares against the float64 numpy reference on ragged
 shapes and random trees, and prints the max error and kernel time per case.
-Exits non-zero when any case is off.
+Exits non-zero when any case is off. ``--nvcc`` compiles with nvcc instead of
+NVRTC; set CUDA_PATH if the CUDA headers are not found.
 """
 
+import functools
 import importlib
 import itertools
+import os
 import sys
 import time
 import types
@@ -58,13 +61,20 @@ def _to_host(cp, x, dtype: str) -> np.ndarray:
     return h.astype(np.float32)
 
 
+def _compile(cp, dtype: str, d: int, nvcc: bool):
+    source, name = tree_cuda.standalone_source(dtype, d)
+    options = ["-std=c++17"]
+    include = os.path.join(os.environ.get("CUDA_PATH", "/usr/local/cuda"), "include")
+    if os.path.isdir(include):
+        options.append(f"-I{include}")
+    backend = "nvcc" if nvcc else "nvrtc"
+    return cp.RawKernel(source, name, options=tuple(options), backend=backend)
+
+
 def run_case(cp, kernels, rng, dtype, d, ratio, n, p, batch=2, kv_heads=2, reps=0):
     hq = kv_heads * ratio
     length = p + n
-    if (dtype, d) not in kernels:
-        source, name = tree_cuda.standalone_source(dtype, d)
-        kernels[dtype, d] = cp.RawKernel(source, name, options=("-std=c++17",))
-    kernel = kernels[dtype, d]
+    kernel = kernels(dtype, d)
     bitmask = numpy_reference.ancestor_bitmask(_random_parents(rng, n))
     q, qf = _as_device(cp, rng.standard_normal((batch, hq, n, d)), dtype)
     k, kf = _as_device(cp, rng.standard_normal((batch, kv_heads, length, d)), dtype)
@@ -105,8 +115,9 @@ def main() -> int:
     import cupy as cp
 
     bench = "--bench" in sys.argv
+    nvcc = "--nvcc" in sys.argv
     rng = np.random.default_rng(0)
-    kernels = {}
+    kernels = functools.cache(lambda dtype, d: _compile(cp, dtype, d, nvcc))
     failures = 0
     cases = itertools.product(
         ["float32", "float16", "bfloat16"], [64, 128, 256], [1, 2, 4], [1, 3, 13, 40]

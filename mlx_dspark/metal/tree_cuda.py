@@ -158,7 +158,12 @@ def standalone_source(dtype: str, head_dim: int, nsimd: int = NSIMD) -> tuple[st
     args = [f"    const {elem.get(n, ctype)}* {n}" for n in INPUT_NAMES]
     args += [f"    {ctype}* {n}" for n in OUTPUT_NAMES]
     source = (
+        "#ifdef __CUDACC_RTC__\n"  # NVRTC (cupy.RawKernel) has no <cstdint>
+        "typedef unsigned int uint32_t;\n"
+        "typedef int int32_t;\n"
+        "#else\n"
         "#include <cstdint>\n"
+        "#endif\n"
         "#include <cooperative_groups.h>\n"
         f"{CUDA_HEADER}\n"
         "namespace cg = cooperative_groups;\n\n"
