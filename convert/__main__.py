@@ -7,6 +7,7 @@ own handler below so more (``--draft-model``) can be added alongside.
 from __future__ import annotations
 
 import argparse
+import sys
 
 from mlx_dspark.errors import DSparkError, run_cli
 
@@ -56,18 +57,34 @@ def convert_gguf_cli(args: argparse.Namespace) -> None:
     if not args.out:
         raise DSparkError("--out is required unless --dry-run is given.")
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
-        task = progress.add_task("converting tensors", total=None)
+    progress = Progress(
+        *columns,
+        console=Console(stderr=True),
+        transient=True,
+        disable=not sys.stderr.isatty(),
+    )
+    task = None
+
+    def advance(done: int, total: int) -> None:
+        # Started on the first converted tensor, so that validation errors
+        # are printed alone.
+        nonlocal task
+        if task is None:
+            progress.start()
+            task = progress.add_task("converting tensors", total=total)
+        progress.update(task, completed=done)
+
+    try:
         plan = convert_gguf(
             args.gguf,
             args.out,
             force=args.force,
             dequantize=args.dequantize,
             dtype=args.dtype,
-            on_tensor=lambda done, total: progress.update(
-                task, completed=done, total=total
-            ),
+            on_tensor=advance,
         )
+    finally:
+        progress.stop()
     print(
         f"wrote {args.out} ({len(plan.tensors)} tensors, "
         f"{plan.total_bytes / 2**20:.1f} MiB)"

@@ -722,14 +722,24 @@ def _convert_tensor(t: TensorPlan, arrays: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _save_weights(directory: Path, weights: dict[str, Any]) -> None:
-    import mlx.core as mx
-    from mlx_lm.utils import make_shards
+MAX_SHARD_BYTES = 5 << 30
 
-    shards = make_shards(weights)
-    pattern = (
-        "model-{:05d}-of-{:05d}.safetensors" if len(shards) > 1 else "model.safetensors"
-    )
+
+def _save_weights(directory: Path, weights: dict[str, Any]) -> None:
+    """Write mlx-lm style safetensors shards and their index."""
+    import mlx.core as mx
+
+    shards: list[dict[str, Any]] = []
+    size = 0
+    for name, array in weights.items():
+        if not shards or size + array.nbytes > MAX_SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = array
+        size += array.nbytes
+    pattern = "model-{:05d}-of-{:05d}.safetensors"
+    if len(shards) == 1:
+        pattern = "model.safetensors"
     weight_map = {}
     for i, shard in enumerate(shards, 1):
         name = pattern.format(i, len(shards))
@@ -740,6 +750,15 @@ def _save_weights(directory: Path, weights: dict[str, Any]) -> None:
         "weight_map": dict(sorted(weight_map.items())),
     }
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=4))
+
+
+def _save_config(directory: Path, config: dict[str, Any]) -> None:
+    config = dict(config)
+    if "quantization" in config:
+        # mlx-lm writes both; some loaders only read the second.
+        config["quantization_config"] = config["quantization"]
+    text = json.dumps(dict(sorted(config.items())), indent=4)
+    (directory / "config.json").write_text(text)
 
 
 def convert_gguf(
@@ -756,12 +775,11 @@ def convert_gguf(
     Nothing is written at ``out`` unless the whole conversion succeeds.
     ``on_tensor(done, total)`` is called after each tensor (for progress).
     """
-    from mlx_lm.utils import save_config
-
     out = Path(out)
     plan = plan_conversion(path, dequantize=dequantize, dtype=dtype)
     check_output_dir(out.absolute(), force)
     files = tokenizer_files(plan.gguf)
+
     arrays = _load_tensors(plan.gguf.path)
 
     with atomic_output_dir(out, force) as tmp:
@@ -772,7 +790,7 @@ def convert_gguf(
                 on_tensor(done, len(plan.tensors))
         arrays.clear()
         _save_weights(tmp, weights)
-        save_config(dict(plan.config), config_path=tmp / "config.json")
+        _save_config(tmp, plan.config)
         for name, text in files.items():
             (tmp / name).write_text(text, encoding="utf-8")
     return plan
