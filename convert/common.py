@@ -15,7 +15,7 @@ from mlx_dspark.errors import DSparkError
 def check_output_dir(out: Path, force: bool) -> None:
     """Refuse an output path that exists as a file, or as a non-empty directory
     unless ``force`` is set."""
-    if out.is_symlink() or (out.exists() and not out.is_dir()):
+    if out.exists() and not out.is_dir():
         raise DSparkError(f"--out {out} exists and is not a directory.")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise DSparkError(

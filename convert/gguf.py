@@ -309,11 +309,8 @@ def _meta(gguf: GGUFFile, key: str, default: Any = ..., kind: type = int) -> Any
             raise DSparkError(f"the GGUF metadata has no {key} entry.")
         return default
     value = gguf.metadata[key]
-    if (
-        isinstance(value, np.ndarray)
-        or isinstance(value, list | str)
-        and kind is not str
-    ):
+    is_scalar = not isinstance(value, np.ndarray | list)
+    if not is_scalar or (kind is str) != isinstance(value, str):
         raise DSparkError(
             f"GGUF metadata {key} is {value!r:.40}, expected one {kind.__name__}."
         )
