@@ -87,6 +87,11 @@ def _cli(
         "--dspark-confidence-threshold",
         help="Cut drafts at the first confidence below this (0 = off).",
     ),
+    tree_budget: int = typer.Option(
+        0,
+        "--dspark-tree",
+        help="Draft a tree of this many nodes per round (0 = a chain).",
+    ),
 ) -> None:
     """Generate text with a target model, sped up by a DSpark drafter."""
     from .loading import load
@@ -105,7 +110,9 @@ def _cli(
             file=sys.stderr,
         )
     target, tokenizer, drafter = load(model, draft_model)
-    if drafter is None and (n_draft is not None or confidence_threshold):
+    if tree_budget < 0:
+        raise DSparkError(f"--dspark-tree must be >= 0, got {tree_budget}.")
+    if drafter is None and (n_draft is not None or confidence_threshold or tree_budget):
         raise DSparkError("--dspark-* options need --draft-model.")
     text, raw = _build_prompt(
         tokenizer, prompt, system_prompt, ignore_chat_template, chat_template_config
@@ -125,6 +132,7 @@ def _cli(
         seed=seed,
         num_draft=n_draft,
         confidence_threshold=confidence_threshold,
+        tree_budget=tree_budget,
     )
     if not show:
         print(result)

@@ -17,6 +17,7 @@ from .errors import DSparkError
 from .loop import GenerationStats, ThresholdPolicy, speculative_generate_step
 from .sampling import SamplingParams
 from .target import TargetAdapter
+from .tree import TreeMode
 
 
 @dataclass
@@ -80,8 +81,13 @@ def stream_generate(
     seed: int | None = None,
     num_draft: int | None = None,
     confidence_threshold: float = 0.0,
+    tree_budget: int = 0,
 ) -> Generator[DSparkResponse, None, None]:
-    """Like ``mlx_lm.stream_generate``; ``drafter=None`` decodes with the target alone."""
+    """Like ``mlx_lm.stream_generate``; ``drafter=None`` decodes with the target alone.
+
+    ``tree_budget`` > 0 drafts a tree of that many nodes per round instead of
+    a chain (``num_draft`` then bounds its depth); 0 drafts a chain.
+    """
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     if max_tokens < 1:
@@ -90,6 +96,8 @@ def stream_generate(
         raise DSparkError(
             f"confidence_threshold must be in [0, 1], got {confidence_threshold}."
         )
+    if tree_budget < 0:
+        raise DSparkError(f"tree_budget must be >= 0, got {tree_budget}.")
     params = SamplingParams(temperature, top_p, top_k, min_p)
     prompt = _encode(tokenizer, prompt)
 
@@ -99,6 +107,10 @@ def stream_generate(
     else:
         stats = GenerationStats()
         target = TargetAdapter(model, drafter.config.target_layer_ids)
+        mode = None
+        if tree_budget:
+            target.check_tree()
+            mode = TreeMode(tree_budget)
         tokens = speculative_generate_step(
             prompt,
             target,
@@ -107,6 +119,7 @@ def stream_generate(
             num_draft=_check_num_draft(num_draft, drafter),
             max_tokens=max_tokens,
             policy=ThresholdPolicy(confidence_threshold),
+            mode=mode,
             seed=seed,
             stats=stats,
         )

@@ -90,6 +90,32 @@ class ThresholdPolicy:
         return threshold_cut(np.array(proposal.confidence[0, :cap]), self.threshold)
 
 
+class RoundMode(Protocol):
+    """How a round drafts and verifies: a chain (:class:`ChainMode`) or a tree."""
+
+    def propose(
+        self,
+        drafter: DSparkDrafter,
+        hidden: mx.array,
+        anchor: mx.array,
+        cap: int,
+        params: SamplingParams,
+        key: mx.array,
+    ) -> Proposal: ...
+
+    def verify(
+        self,
+        target: TargetAdapter,
+        cache: list,
+        anchor: int,
+        proposal: Proposal,
+        n: int,
+        params: SamplingParams,
+        rng: np.random.Generator,
+    ) -> tuple[Verdict, list[int], mx.array]:
+        """The verdict, the accepted drafts in order and the features to commit."""
+
+
 class ChainMode:
     """Verify the first ``n`` drafts of one chain in a single target forward."""
 
@@ -162,7 +188,7 @@ def speculative_generate_step(
     num_draft: int | None = None,
     max_tokens: int = 256,
     policy: DraftPolicy | None = None,
-    mode: ChainMode | None = None,
+    mode: RoundMode | None = None,
     seed: int | None = None,
     stats: GenerationStats | None = None,
 ) -> Iterator[tuple[int, bool]]:
