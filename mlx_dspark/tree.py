@@ -86,11 +86,13 @@ class _Node:
 
 @dataclass
 class TreeRound:
-    """Shape of one verified tree: node count, depth and accepted length."""
+    """One verified tree: node count, depth, accepted length and the kept
+    path (indices into ``[anchor, verified nodes...]``)."""
 
     nodes: int
     depth: int
     accepted: int
+    path: list[int] = field(default_factory=lambda: [0])
 
 
 class TreeMode:
@@ -212,10 +214,14 @@ class TreeMode:
         """A tree as a proposal: ``tokens[0, i]`` is node ``i + 1`` of the
         tree whose node 0 is the anchor; ``logits[0, i]`` the TSH-corrected
         row it was drawn from; ``extra['parents'][i]`` its parent's index."""
-        nodes, base = self.build(drafter, hidden, int(anchor[0].item()), cap, params, key)
+        nodes, base = self.build(
+            drafter, hidden, int(anchor[0].item()), cap, params, key
+        )
         drafts = nodes[1:]
         if not drafts:
-            return Proposal(mx.zeros((1, 0), mx.int32), mx.zeros((1, 0, base.shape[-1])))
+            return Proposal(
+                mx.zeros((1, 0), mx.int32), mx.zeros((1, 0, base.shape[-1]))
+            )
         tokens = mx.array([[n.token for n in drafts]], dtype=mx.int32)
         logits = mx.stack([nodes[n.parent].row for n in drafts])[None]
         parents = [n.parent for n in drafts]
@@ -286,7 +292,7 @@ class TreeMode:
             )
         target.commit_path(cache, start, path)
         self.rounds.append(
-            TreeRound(len(keep) - 1, max(depths[i] for i in keep), len(path) - 1)
+            TreeRound(len(keep) - 1, max(depths[i] for i in keep), len(path) - 1, path)
         )
         accepted = [tokens[i] for i in path[1:]]
         return Verdict(len(accepted), next_token), accepted, features[:, mx.array(path)]
