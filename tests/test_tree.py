@@ -7,6 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import HEADS, head_id
+from test_cli import run
 from test_sampling import PROMPT, chi_square, chi_square_critical, exact_joint
 
 from mlx_dspark import stream_generate
@@ -257,3 +258,15 @@ def test_tree_budget_errors(pair_factory):
         list(stream_generate(model, tokenizer, drafter, [1], tree_budget=-1))
     with pytest.raises(DSparkError):
         TreeMode(0)
+
+
+def test_cli_dspark_tree(pair_factory):
+    *_, target_dir, drafter_dir, _ = pair_factory(block_size=8)
+    common = ["--model", str(target_dir), "--draft-model", str(drafter_dir)]
+    common += ["-p", "t1 t2 t3", "-m", "24", "--verbose", "false"]
+    chain, tree = run(*common), run(*common, "--dspark-tree", "6")
+    assert chain.returncode == tree.returncode == 0, tree.stderr
+    assert tree.stdout == chain.stdout
+    bad = run(*common, "--dspark-tree", "-2")
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    assert "--dspark-tree must be >= 0" in bad.stderr
