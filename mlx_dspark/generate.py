@@ -17,9 +17,10 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .drafter import DSparkDrafter
 from .errors import DSparkError, run_cli
-from .loop import GenerationStats, ThresholdPolicy, speculative_generate_step
+from .loop import GenerationStats, speculative_generate_step
 from .sampling import SamplingParams
 from .target import TargetAdapter
+from .telemetry import Telemetry
 
 
 @dataclass
@@ -27,6 +28,7 @@ class DSparkResponse(GenerationResponse):
     """mlx-lm's response plus the speculation statistics so far."""
 
     stats: GenerationStats | None = None
+    telemetry: Telemetry | None = None
 
 
 def _encode(
@@ -83,8 +85,17 @@ def stream_generate(
     seed: int | None = None,
     num_draft: int | None = None,
     confidence_threshold: float = 0.0,
+    scheduler: str | None = None,
+    profile: str = "auto",
 ) -> Generator[DSparkResponse, None, None]:
-    """Like ``mlx_lm.stream_generate``; ``drafter=None`` decodes with the target alone."""
+    """Like ``mlx_lm.stream_generate``; ``drafter=None`` decodes with the target alone.
+
+    ``scheduler``: ``"off"`` (fixed ``num_draft``), ``"threshold"`` (cut at
+    ``confidence_threshold``), ``"auto"`` (calibrated prefix scheduler with the
+    memory guard) or None (auto when a calibration and a profile exist, else
+    threshold/off with a note on stderr). ``profile="refresh"`` re-measures the
+    cost profile. Responses carry ``stats`` and ``telemetry``.
+    """
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     if max_tokens < 1:
@@ -96,10 +107,19 @@ def stream_generate(
     params = SamplingParams(temperature, top_p, top_k, min_p)
     prompt = _encode(tokenizer, prompt)
 
-    stats = None
+    stats = telemetry = None
     if drafter is None:
         tokens = _target_only_tokens(model, prompt, params, max_tokens, seed)
     else:
+        from .policies import resolve_policy
+
+        num_draft = _check_num_draft(num_draft, drafter)
+        resolved = resolve_policy(
+            model, drafter, scheduler, confidence_threshold, num_draft, profile
+        )
+        if resolved.note:
+            print(resolved.note, file=sys.stderr)
+        telemetry = resolved.policy.telemetry
         stats = GenerationStats()
         target = TargetAdapter(model, drafter.config.target_layer_ids)
         tokens = speculative_generate_step(
@@ -107,9 +127,9 @@ def stream_generate(
             target,
             drafter,
             params=params,
-            num_draft=_check_num_draft(num_draft, drafter),
+            num_draft=num_draft,
             max_tokens=max_tokens,
-            policy=ThresholdPolicy(confidence_threshold),
+            policy=resolved.policy,
             seed=seed,
             stats=stats,
         )
@@ -132,6 +152,7 @@ def stream_generate(
             peak_memory=mx.get_peak_memory() / 1e9,
             finish_reason=finish_reason,
             stats=stats,
+            telemetry=telemetry,
         )
 
     for n, (token, from_draft) in enumerate(tokens):
@@ -162,6 +183,13 @@ def format_stats(response: DSparkResponse) -> list[str]:
             f"Acceptance by position: {by_position or '-'}",
             f"Draft / verify time: {stats.draft_time:.3f} s / {stats.verify_time:.3f} s",
         ]
+    tele = response.telemetry
+    if tele is not None and tele.n_rounds:
+        lines.append(
+            f"Scheduler: expected {tele.expected_accepted / tele.n_rounds:.2f} vs "
+            f"actual {tele.drafts_accepted / tele.n_rounds:.2f} accepted drafts per "
+            f"round, cap now {tele.n_current}"
+        )
     lines.append(f"Peak memory: {response.peak_memory:.3f} GB")
     return lines
 
@@ -262,6 +290,17 @@ def _cli(
         "--dspark-confidence-threshold",
         help="Cut drafts at the first confidence below this (0 = off).",
     ),
+    scheduler: str | None = typer.Option(
+        None,
+        "--dspark-scheduler",
+        help="off | threshold | auto (default: auto when the pair has a "
+        "calibration and a cost profile).",
+    ),
+    profile: str = typer.Option(
+        "auto",
+        "--dspark-profile",
+        help="auto (use the cached cost profile) | refresh (re-measure it).",
+    ),
 ) -> None:
     """Generate text with a target model, sped up by a DSpark drafter."""
     from .loading import load
@@ -280,7 +319,9 @@ def _cli(
             file=sys.stderr,
         )
     target, tokenizer, drafter = load(model, draft_model)
-    if drafter is None and (n_draft is not None or confidence_threshold):
+    if drafter is None and (
+        n_draft is not None or confidence_threshold or scheduler is not None
+    ):
         raise DSparkError("--dspark-* options need --draft-model.")
     text, raw = _build_prompt(
         tokenizer, prompt, system_prompt, ignore_chat_template, chat_template_config
@@ -300,6 +341,8 @@ def _cli(
         seed=seed,
         num_draft=n_draft,
         confidence_threshold=confidence_threshold,
+        scheduler=scheduler,
+        profile=profile,
     )
     if not show:
         print(result)
