@@ -147,7 +147,7 @@ class TargetAdapter:
         for layer in range(len(self.layers)):
             keys, values = [], []
             for cache, context in zip(caches, contexts, strict=True):
-                k, v = cache[layer].state
+                k, v = cache[layer].state[:2]
                 pad = [(0, 0), (0, 0), (longest - context, 0), (0, 0)]
                 keys.append(mx.pad(k[..., :context, :], pad))
                 values.append(mx.pad(v[..., :context, :], pad))
