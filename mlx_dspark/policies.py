@@ -245,12 +245,11 @@ def resolve_policy(
         env_enabled = "DSPARK_SCHEDULER_ENABLED" in os.environ
         wants_auto = settings.enabled if env_enabled else profile == "refresh"
         has_profile = load_profile(model, drafter) is not None
-        if wants_auto or (found is not None and has_profile):
+        if wants_auto or (found is not None and has_profile and not env_enabled):
             scheduler = "auto"
-        elif env_enabled:
-            scheduler = "threshold" if threshold > 0 else "off"
         else:
             scheduler = "threshold" if threshold > 0 else "off"
+        if scheduler != "auto" and not env_enabled:
             missing = [
                 what
                 for what, ok in (
