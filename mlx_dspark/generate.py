@@ -87,6 +87,17 @@ def _cli(
         "--dspark-confidence-threshold",
         help="Cut drafts at the first confidence below this (0 = off).",
     ),
+    scheduler: str | None = typer.Option(
+        None,
+        "--dspark-scheduler",
+        help="off | threshold | auto (default: auto when the pair has a "
+        "calibration and a cost profile).",
+    ),
+    profile: str = typer.Option(
+        "auto",
+        "--dspark-profile",
+        help="auto (use the cached cost profile) | refresh (re-measure it).",
+    ),
 ) -> None:
     """Generate text with a target model, sped up by a DSpark drafter."""
     from .loading import load
@@ -105,7 +116,9 @@ def _cli(
             file=sys.stderr,
         )
     target, tokenizer, drafter = load(model, draft_model)
-    if drafter is None and (n_draft is not None or confidence_threshold):
+    if drafter is None and (
+        n_draft is not None or confidence_threshold or scheduler is not None
+    ):
         raise DSparkError("--dspark-* options need --draft-model.")
     text, raw = _build_prompt(
         tokenizer, prompt, system_prompt, ignore_chat_template, chat_template_config
@@ -125,6 +138,8 @@ def _cli(
         seed=seed,
         num_draft=n_draft,
         confidence_threshold=confidence_threshold,
+        scheduler=scheduler,
+        profile=profile,
     )
     if not show:
         print(result)

@@ -176,7 +176,9 @@ def load_drafter(
     if target is not None:
         adapter = TargetAdapter(target, config.target_layer_ids)
         check_pair(config, adapter)
-    return build_drafter(config, read_weights(path), adapter)
+    drafter = build_drafter(config, read_weights(path), adapter)
+    drafter.source_path = path
+    return drafter
 
 
 def load(
