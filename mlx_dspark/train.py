@@ -21,6 +21,7 @@ import math
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -771,9 +772,10 @@ def train(
         for i, n in enumerate(names)
     }
     if status == "interrupted":
-        _say(
-            args,
-            f"stopped at step {step}/{total}; checkpoint saved to {ckpt}; rerun with --resume to continue",
+        print(
+            f"stopped at step {step}/{total}; checkpoint saved to {ckpt}; "
+            "rerun with --resume to continue",
+            file=sys.stderr,
         )
         return TrainResult(status, None, ckpt, step, final, history)
 
@@ -781,6 +783,8 @@ def train(
         "format": "mlx-dspark training record v1",
         "arguments": asdict(args),
         "target": str(target_path),
+        "target_layer_ids": layer_ids,
+        "mask_token_id": mask_token_id,
         "inputs": inputs,
         "data": data_hashes,
         "data_report": report.to_dict(),
