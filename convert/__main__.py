@@ -1,5 +1,104 @@
-def main() -> None:
-    raise SystemExit("mlx_dspark.convert is not implemented yet.")
+"""``mlx_dspark.convert``: turn checkpoints into MLX model directories.
+
+Sources are mutually exclusive options (``--gguf`` today); each source has its
+own handler below so more (``--draft-model``) can be added alongside.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mlx_dspark.errors import DSparkError, run_cli
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mlx_dspark.convert",
+        description="Convert checkpoints into MLX model directories.",
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--gguf", metavar="FILE", help="llama-architecture GGUF target model"
+    )
+    parser.add_argument("--out", metavar="DIR", help="output directory")
+    parser.add_argument(
+        "--force", action="store_true", help="replace a non-empty --out directory"
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print what would be converted and written, then stop",
+    )
+    parser.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="write quantized GGUF tensors as float16 (faster on CPU)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["float16", "bfloat16", "float32"],
+        help="dtype of float outputs (default: float16 for dequantized tensors, "
+        "GGUF's own type otherwise); float32 runs fastest on CPU",
+    )
+    return parser
+
+
+def convert_gguf_cli(args: argparse.Namespace) -> None:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from .gguf import convert_gguf, describe_plan, plan_conversion
+
+    if args.dry_run:
+        plan = plan_conversion(args.gguf, dequantize=args.dequantize, dtype=args.dtype)
+        print(describe_plan(plan))
+        return
+    if not args.out:
+        raise DSparkError("--out is required unless --dry-run is given.")
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
+    progress = Progress(
+        *columns,
+        console=Console(stderr=True),
+        transient=True,
+        disable=not sys.stderr.isatty(),
+    )
+    task = None
+
+    def advance(done: int, total: int) -> None:
+        # Started on the first converted tensor, so that validation errors
+        # are printed alone.
+        nonlocal task
+        if task is None:
+            progress.start()
+            task = progress.add_task("converting tensors", total=total)
+        progress.update(task, completed=done)
+
+    try:
+        plan = convert_gguf(
+            args.gguf,
+            args.out,
+            force=args.force,
+            dequantize=args.dequantize,
+            dtype=args.dtype,
+            on_tensor=advance,
+        )
+    finally:
+        progress.stop()
+    print(
+        f"wrote {args.out} ({len(plan.tensors)} tensors, "
+        f"{plan.total_bytes / 2**20:.1f} MiB)"
+    )
+
+
+def _main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.gguf is not None:
+        convert_gguf_cli(args)
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_cli(lambda: _main(argv))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """DSpark speculative decoding for mlx-lm models."""
 
-from .generate import DSparkResponse, generate, stream_generate
+from .generation import DSparkResponse, generate, stream_generate
 from .loading import load, load_drafter
 
 __all__ = ["DSparkResponse", "generate", "load", "load_drafter", "stream_generate"]

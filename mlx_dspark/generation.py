@@ -1,0 +1,186 @@
+"""``generate`` / ``stream_generate`` with DSpark speculation."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import GenerationResponse
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .drafter import DSparkDrafter
+from .errors import DSparkError
+from .loop import GenerationStats, ThresholdPolicy, speculative_generate_step
+from .sampling import SamplingParams
+from .target import TargetAdapter
+
+
+@dataclass
+class DSparkResponse(GenerationResponse):
+    """mlx-lm's response plus the speculation statistics so far."""
+
+    stats: GenerationStats | None = None
+
+
+def _encode(
+    tokenizer: TokenizerWrapper, prompt: str | list[int] | mx.array
+) -> mx.array:
+    if isinstance(prompt, mx.array):
+        return prompt
+    if isinstance(prompt, str):
+        bos = tokenizer.bos_token
+        prompt = tokenizer.encode(
+            prompt, add_special_tokens=bos is None or not prompt.startswith(bos)
+        )
+    if len(prompt) == 0:
+        raise DSparkError("The prompt is empty.")
+    return mx.array(prompt)
+
+
+def _check_num_draft(num_draft: int | None, drafter: DSparkDrafter) -> int:
+    block = drafter.block_size
+    if num_draft is None:
+        return block
+    if not 0 <= num_draft <= block:
+        raise DSparkError(
+            f"num_draft must be between 0 and the drafter's block size {block}, got {num_draft}."
+        )
+    return num_draft
+
+
+def _target_only_tokens(model, prompt, params: SamplingParams, max_tokens: int, seed):
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    if seed is not None:
+        mx.random.seed(seed)
+    sampler = make_sampler(
+        params.temperature, params.top_p, params.min_p, top_k=params.top_k
+    )
+    for token, _ in generate_step(
+        prompt, model, max_tokens=max_tokens, sampler=sampler
+    ):
+        yield int(token), False
+
+
+def stream_generate(
+    model: nn.Module,
+    tokenizer: Any,
+    drafter: DSparkDrafter | None,
+    prompt: str | list[int] | mx.array,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    seed: int | None = None,
+    num_draft: int | None = None,
+    confidence_threshold: float = 0.0,
+) -> Generator[DSparkResponse, None, None]:
+    """Like ``mlx_lm.stream_generate``; ``drafter=None`` decodes with the target alone."""
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    if max_tokens < 1:
+        raise DSparkError(f"max_tokens must be at least 1, got {max_tokens}.")
+    if not 0.0 <= confidence_threshold <= 1.0:
+        raise DSparkError(
+            f"confidence_threshold must be in [0, 1], got {confidence_threshold}."
+        )
+    params = SamplingParams(temperature, top_p, top_k, min_p)
+    prompt = _encode(tokenizer, prompt)
+
+    stats = None
+    if drafter is None:
+        tokens = _target_only_tokens(model, prompt, params, max_tokens, seed)
+    else:
+        stats = GenerationStats()
+        target = TargetAdapter(model, drafter.config.target_layer_ids)
+        tokens = speculative_generate_step(
+            prompt,
+            target,
+            drafter,
+            params=params,
+            num_draft=_check_num_draft(num_draft, drafter),
+            max_tokens=max_tokens,
+            policy=ThresholdPolicy(confidence_threshold),
+            seed=seed,
+            stats=stats,
+        )
+
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    tic = time.perf_counter()
+    prompt_tps = 0.0
+
+    def response(token, from_draft, n, finish_reason=None):
+        return DSparkResponse(
+            text=detokenizer.last_segment,
+            token=token,
+            logprobs=None,
+            from_draft=from_draft,
+            prompt_tokens=prompt.size,
+            prompt_tps=prompt_tps,
+            generation_tokens=n,
+            generation_tps=n / max(time.perf_counter() - tic, 1e-9),
+            peak_memory=mx.get_peak_memory() / 1e9,
+            finish_reason=finish_reason,
+            stats=stats,
+        )
+
+    for n, (token, from_draft) in enumerate(tokens):
+        if n == 0:
+            prompt_tps = prompt.size / max(time.perf_counter() - tic, 1e-9)
+            tic = time.perf_counter()
+        if token in tokenizer.eos_token_ids:
+            break
+        detokenizer.add_token(token)
+        if n + 1 == max_tokens:
+            break
+        yield response(token, from_draft, n + 1)
+    detokenizer.finalize()
+    reason = "stop" if token in tokenizer.eos_token_ids else "length"
+    yield response(token, from_draft, n + 1, reason)
+
+
+def format_stats(response: DSparkResponse) -> list[str]:
+    lines = [
+        f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec",
+        f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec",
+    ]
+    stats = response.stats
+    if stats is not None and stats.rounds:
+        by_position = " ".join(f"{rate:.2f}" for rate in stats.acceptance_by_position)
+        lines += [
+            f"Mean accepted length: {stats.mean_accepted_length:.2f} tokens per round ({len(stats.rounds)} rounds)",
+            f"Acceptance by position: {by_position or '-'}",
+            f"Draft / verify time: {stats.draft_time:.3f} s / {stats.verify_time:.3f} s",
+        ]
+    lines.append(f"Peak memory: {response.peak_memory:.3f} GB")
+    return lines
+
+
+def generate(
+    model: nn.Module,
+    tokenizer: Any,
+    drafter: DSparkDrafter | None,
+    prompt: str | list[int] | mx.array,
+    verbose: bool = False,
+    **kwargs,
+) -> str:
+    """Generate a complete response; see :func:`stream_generate` for arguments."""
+    if verbose:
+        print("=" * 10)
+    text = ""
+    for response in stream_generate(model, tokenizer, drafter, prompt, **kwargs):
+        if verbose:
+            print(response.text, end="", flush=True)
+        text += response.text
+    if verbose:
+        print()
+        print("=" * 10)
+        print("\n".join(format_stats(response)))
+    return text

@@ -1,0 +1,142 @@
+"""The mlx_dspark.generate command: output, flags and user errors."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mlx_dspark.structured import build_structured_pair
+
+
+def run(*args, stdin=None, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_dspark.generate", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=300,
+    )
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return [str(p) for p in build_structured_pair(tmp_path_factory.mktemp("cli"))]
+
+
+def test_generate_streams_text_and_prints_the_summary(pair):
+    target, drafter = pair
+    result = run(
+        "--model",
+        target,
+        "--draft-model",
+        drafter,
+        "--prompt",
+        "t1 t2 t3",
+        "--max-tokens",
+        "30",
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "Mean accepted length:" in out and "Acceptance by position:" in out
+    assert "Generation: 30 tokens" in out and "Peak memory:" in out
+    text = out.split("=" * 10)[1].strip()
+    assert len(text.split()) == 30 and all(
+        word.startswith("t") for word in text.split()
+    )
+
+
+def test_prompt_from_stdin_and_plain_target_decoding(pair):
+    target, drafter = pair
+    with_draft = run(
+        "--model",
+        target,
+        "--draft-model",
+        drafter,
+        "-p",
+        "-",
+        "-m",
+        "12",
+        "--verbose",
+        "false",
+        stdin="t4 t5",
+    )
+    plain = run("--model", target, "-p", "t4 t5", "-m", "12", "--verbose", "false")
+    assert with_draft.returncode == 0 and plain.returncode == 0, (
+        with_draft.stderr + plain.stderr
+    )
+    assert with_draft.stdout == plain.stdout
+    assert len(plain.stdout.split()) == 12
+
+
+def test_sampling_flags_and_seed_are_reproducible(pair):
+    target, drafter = pair
+    args = [
+        "--model",
+        target,
+        "--draft-model",
+        drafter,
+        "-p",
+        "t1",
+        "-m",
+        "20",
+        "--temp",
+        "0.8",
+        "--top-p",
+        "0.9",
+        "--top-k",
+        "5",
+        "--min-p",
+        "0.01",
+        "--seed",
+        "7",
+        "--verbose",
+        "false",
+    ]
+    first, second = run(*args), run(*args)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == second.stdout
+
+
+def test_no_model_uses_the_built_in_demo_pair(tmp_path):
+    result = run("-p", "t3", "-m", "10", env={"MLX_DSPARK_CACHE": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert "built-in demo pair" in result.stderr
+    assert "Mean accepted length:" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--dspark-n-draft", "99"], "num_draft must be between 0"),
+        (["--temp", "-1"], "temperature must be >= 0"),
+        (["--top-p", "2"], "top_p must be in"),
+        (["--max-tokens", "0"], "max_tokens must be at least 1"),
+        (["--dspark-confidence-threshold", "1.5"], "confidence_threshold"),
+        (["--verbose", "maybe"], "--verbose expects"),
+        (["--chat-template-config", "{"], "not valid JSON"),
+    ],
+)
+def test_bad_flag_values(pair, args, message):
+    target, drafter = pair
+    result = run("--model", target, "--draft-model", drafter, "-p", "t1", *args)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    if message:
+        assert message in result.stderr
+
+
+def test_missing_paths_and_broken_files(pair, tmp_path):
+    target, drafter = pair
+    missing = run("--model", str(tmp_path / "none"), "-p", "t1")
+    assert missing.returncode == 1 and "does not exist" in missing.stderr
+    assert "Traceback" not in missing.stderr
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    bad = run("--model", target, "--draft-model", str(broken), "-p", "t1")
+    assert bad.returncode == 1 and "not valid JSON" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    unknown = run("--model", target, "--no-such-flag")
+    assert unknown.returncode != 0 and "Traceback" not in unknown.stderr

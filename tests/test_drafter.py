@@ -1,0 +1,198 @@
+"""The drafter against an independent numpy reading of the DSpark semantics."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_unflatten
+
+from mlx_dspark.config import DraftConfig
+from mlx_dspark.drafter import DSparkDrafter
+from mlx_dspark.sampling import SamplingParams
+
+D, V, LAYERS = 32, 40, 2
+
+
+def random_drafter(head="vanilla", rank=8, confidence_with_markov=True, seed=0):
+    config = DraftConfig.from_dict(
+        {
+            "architectures": ["Qwen3DSparkModel"],
+            "hidden_size": D,
+            "num_hidden_layers": LAYERS,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 8,
+            "intermediate_size": 48,
+            "vocab_size": V,
+            "rope_theta": 10000.0,
+            "rms_norm_eps": 1e-6,
+            "block_size": 5,
+            "mask_token_id": V - 1,
+            "target_layer_ids": [0, 2],
+            "markov_rank": rank,
+            "markov_head_type": head,
+            "enable_confidence_head": True,
+            "confidence_head_with_markov": confidence_with_markov,
+        }
+    )
+    drafter = DSparkDrafter(config)
+    drafter.own_embeddings()
+    rng = np.random.default_rng(seed)
+    weights = []
+    for name, value in tree_flatten(drafter.parameters()):
+        noise = rng.standard_normal(value.shape).astype(np.float32)
+        weights.append((name, 1.0 + 0.2 * noise if "norm" in name else 0.3 * noise))
+    drafter.update(tree_unflatten([(k, mx.array(v)) for k, v in weights]))
+    return drafter
+
+
+def np_params(drafter):
+    return {
+        k: np.array(v, dtype=np.float64) for k, v in tree_flatten(drafter.parameters())
+    }
+
+
+def rms(x, w, eps=1e-6):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def rope(x, positions, base=10000.0):
+    half = x.shape[-1] // 2
+    freqs = base ** (-np.arange(half) * 2.0 / x.shape[-1])
+    angles = positions[:, None] * freqs[None]
+    cos, sin = np.cos(angles), np.sin(angles)
+    a, b = x[..., :half], x[..., half:]
+    return np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
+
+
+def reference_block(p, block_tokens, start, features):
+    """Numpy forward of one block over all context features (positions 0..start-1)."""
+    heads, kv, hd = 4, 2, 8
+    x = p["embed_tokens.weight"][block_tokens]
+    ctx = rms(features @ p["fc.weight"].T, p["hidden_norm.weight"])
+    ctx_pos, blk_pos = (
+        np.arange(features.shape[0]),
+        np.arange(start, start + len(block_tokens)),
+    )
+    for i in range(LAYERS):
+        a = f"layers.{i}.self_attn."
+        xn = rms(x, p[f"layers.{i}.input_layernorm.weight"])
+        q = rms(
+            (xn @ p[a + "q_proj.weight"].T).reshape(-1, heads, hd),
+            p[a + "q_norm.weight"],
+        )
+        q = np.stack([rope(q[:, h], blk_pos) for h in range(heads)], 1)
+
+        def kv_of(h_in, pos, a=a):
+            k = rms(
+                (h_in @ p[a + "k_proj.weight"].T).reshape(-1, kv, hd),
+                p[a + "k_norm.weight"],
+            )
+            k = np.stack([rope(k[:, g], pos) for g in range(kv)], 1)
+            return k, (h_in @ p[a + "v_proj.weight"].T).reshape(-1, kv, hd)
+
+        kc, vc = kv_of(ctx, ctx_pos)
+        kb, vb = kv_of(xn, blk_pos)
+        keys, values = np.concatenate([kc, kb]), np.concatenate([vc, vb])
+        out = np.zeros((len(block_tokens), heads, hd))
+        for h in range(heads):
+            g = h // (heads // kv)
+            scores = q[:, h] @ keys[:, g].T / np.sqrt(hd)
+            weights = np.exp(scores - scores.max(-1, keepdims=True))
+            weights /= weights.sum(-1, keepdims=True)
+            out[:, h] = weights @ values[:, g]
+        x = x + out.reshape(len(block_tokens), -1) @ p[a + "o_proj.weight"].T
+        m = f"layers.{i}.mlp."
+        hn = rms(x, p[f"layers.{i}.post_attention_layernorm.weight"])
+        gate = hn @ p[m + "gate_proj.weight"].T
+        x = (
+            x
+            + ((gate / (1 + np.exp(-gate))) * (hn @ p[m + "up_proj.weight"].T))
+            @ p[m + "down_proj.weight"].T
+        )
+    return rms(x, p["norm.weight"])
+
+
+def test_backbone_matches_reference_and_cache_holds_only_committed_tokens():
+    drafter = random_drafter()
+    p = np_params(drafter)
+    rng = np.random.default_rng(1)
+    features = rng.standard_normal((11, 2 * D)).astype(np.float32)
+    cache = drafter.make_cache()
+    # Three rounds: commit 6, then 2, then 3 context tokens.
+    for begin, end in [(0, 6), (6, 8), (8, 11)]:
+        block = drafter.block_tokens(mx.array([int(rng.integers(0, V - 1))]))
+        hidden = drafter(block, end, mx.array(features[None, begin:end]), cache)
+        assert cache.length == end
+        assert all(k.shape[2] == end for k in cache.keys)
+        expected = reference_block(
+            p, np.array(block[0]), end, features[:end].astype(np.float64)
+        )
+        assert np.allclose(np.array(hidden[0]), expected, atol=2e-4), np.abs(
+            np.array(hidden[0]) - expected
+        ).max()
+
+
+def test_context_must_continue_the_cache():
+    drafter = random_drafter()
+    cache = drafter.make_cache()
+    drafter(drafter.block_tokens(mx.array([1])), 3, mx.zeros((1, 3, 2 * D)), cache)
+    with pytest.raises(ValueError, match="draft cache holds 3"):
+        drafter(drafter.block_tokens(mx.array([1])), 6, mx.zeros((1, 2, 2 * D)), cache)
+
+
+def sigmoid(x):
+    return 1 / (1 + np.exp(-x))
+
+
+@pytest.mark.parametrize("head", ["vanilla", "gated", "rnn", None])
+@pytest.mark.parametrize("with_markov", [True, False])
+def test_sequential_head_and_confidence_match_the_formulas(head, with_markov):
+    rank = 8 if head else 0
+    drafter = random_drafter(head or "vanilla", rank, with_markov)
+    p = np_params(drafter)
+    rng = np.random.default_rng(2)
+    hidden = mx.array(rng.standard_normal((1, 5, D)).astype(np.float32))
+    anchor = 7
+    proposal = drafter.propose(hidden, mx.array([anchor]), 4, SamplingParams(), None)
+    h = np.array(hidden[0], dtype=np.float64)
+    base = h @ p["lm_head.weight"].T
+    prev, state, tokens = anchor, np.zeros(rank), []
+    for k in range(4):
+        bias = 0.0
+        if head:
+            w1, w2 = (
+                p["markov_head.markov_w1.weight"],
+                p["markov_head.markov_w2.weight"],
+            )
+            e = w1[prev]
+            if head == "vanilla":
+                bias = w2 @ e
+            elif head == "gated":
+                gate = sigmoid(
+                    p["markov_head.gate_proj.weight"] @ np.concatenate([h[k], e])
+                    + p["markov_head.gate_proj.bias"]
+                )
+                bias = w2 @ (gate * e)
+            else:
+                joint = (
+                    p["markov_head.joint_proj.weight"]
+                    @ np.concatenate([state, e, h[k]])
+                    + p["markov_head.joint_proj.bias"]
+                )
+                g, c, o = np.split(joint, 3)
+                g = sigmoid(g)
+                state = g * state + (1 - g) * np.tanh(c)
+                bias = w2 @ np.tanh(o)
+        row = base[k] + bias
+        assert np.allclose(np.array(proposal.logits[0, k]), row, atol=1e-3)
+        features = h[k]
+        if head and with_markov:
+            features = np.concatenate([h[k], p["markov_head.markov_w1.weight"][prev]])
+        confidence = (
+            p["confidence_head.proj.weight"][0] @ features
+            + p["confidence_head.proj.bias"][0]
+        )
+        assert np.isclose(float(proposal.confidence[0, k]), confidence, atol=1e-3)
+        prev = int(np.argmax(row))
+        tokens.append(prev)
+    assert np.array(proposal.tokens[0]).tolist() == tokens
