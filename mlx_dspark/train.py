@@ -82,6 +82,8 @@ class TrainArgs:
     regen_batch_size: int = 8
     with_embeddings: bool = False
     dtype: str = "bfloat16"
+    quantize_bits: int | None = None
+    quantize_group_size: int = 64
     force: bool = False
     log_every: int = 10
     quiet: bool = False
@@ -153,6 +155,11 @@ def new_drafter(config: DraftConfig, target: TargetAdapter, seed: int) -> DSpark
             [(k, v.astype(mx.float32)) for k, v in tree_flatten(drafter.parameters())]
         )
     )
+    # The drafter's output feeds the target's LM head: start from the target's
+    # final-norm scale so that the first logits are on the target's scale.
+    final_norm = getattr(target.inner.norm, "weight", None)
+    if final_norm is not None and final_norm.shape == drafter.norm.weight.shape:
+        drafter.norm.weight = final_norm.astype(mx.float32)
     mx.eval(drafter.parameters())
     return drafter
 
@@ -450,8 +457,27 @@ def export_drafter(
     record: dict,
     with_embeddings: bool,
     dtype: mx.Dtype,
+    quantize: tuple[int, int] | None = None,
 ) -> None:
-    """Write a DeepSpec-format drafter directory (atomically)."""
+    """Write a DeepSpec-format drafter directory (atomically).
+
+    With ``quantize=(bits, group_size)`` the drafter is quantized in place
+    first (MLX format: a ``quantization`` block in config.json).
+    """
+    if quantize is not None:
+        bits, group_size = quantize
+
+        def eligible(path: str, module: nn.Module) -> bool:
+            weight = getattr(module, "weight", None)
+            return (
+                hasattr(module, "to_quantized")
+                and not path.startswith("confidence_head")
+                and weight is not None
+                and weight.shape[-1] % group_size == 0
+            )
+
+        nn.quantize(drafter, group_size=group_size, bits=bits, class_predicate=eligible)
+        drafter.config.quantization = {"group_size": group_size, "bits": bits}
     weights = {
         name: value.astype(dtype) if mx.issubdtype(value.dtype, mx.floating) else value
         for name, value in tree_flatten(drafter.parameters())
@@ -798,8 +824,17 @@ def train(
     }
     if out.exists() and args.force:
         shutil.rmtree(out)
+    quantize = None
+    if args.quantize_bits:
+        quantize = (args.quantize_bits, args.quantize_group_size)
     export_drafter(
-        out, drafter, target, record, args.with_embeddings, DTYPES[args.dtype]
+        out,
+        drafter,
+        target,
+        record,
+        args.with_embeddings,
+        DTYPES[args.dtype],
+        quantize,
     )
     _say(args, f"wrote {out} ({', '.join(f'{n} {v:.3f}' for n, v in final.items())})")
     return TrainResult(status, out, ckpt, step, final, history)
@@ -919,6 +954,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="Also write embed_tokens/lm_head copies, as DeepSpec does.",
     )
     p.add_argument("--dtype", default=d.dtype, choices=list(DTYPES))
+    p.add_argument(
+        "--quantize-bits",
+        type=int,
+        default=None,
+        choices=[2, 3, 4, 6, 8],
+        help="Write the drafter quantized (MLX format) to this many bits.",
+    )
+    p.add_argument("--quantize-group-size", type=int, default=d.quantize_group_size)
     p.add_argument("--force", action="store_true", help="Replace an existing output.")
     p.add_argument("--log-every", type=int, default=d.log_every)
     p.add_argument("--quiet", action="store_true")

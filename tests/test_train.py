@@ -181,8 +181,15 @@ def test_other_heads_train_and_load(setup, head):
             with_embeddings=True,
             confidence=head != "none",
             dtype="bfloat16",
+            quantize_bits=4 if head == "gated" else None,
         )
     )
+    config = json.loads((result.out / "config.json").read_text())
+    if head == "gated":
+        assert config["quantization"] == {"group_size": 64, "bits": 4}
+        assert "layers.0.mlp.up_proj.scales" in mx.load(
+            str(result.out / "model.safetensors")
+        )
     names = set(mx.load(str(result.out / "model.safetensors")))
     assert {"embed_tokens.weight", "lm_head.weight"} <= names
     _, _, drafter = load(target_dir, result.out)
