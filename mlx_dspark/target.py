@@ -92,10 +92,9 @@ class TargetAdapter:
             for c in cache:
                 c.trim(n)
 
-    def __call__(
-        self, tokens: mx.array, cache: list
-    ) -> tuple[mx.array, mx.array | None]:
-        """Logits ``[B, L, V]`` and tapped features ``[B, L, len(ids) * d]``."""
+    def hidden(self, tokens: mx.array, cache: list) -> tuple[mx.array, mx.array | None]:
+        """Final normalised hidden states ``[B, L, d]`` (``lm_head`` input) and
+        tapped features ``[B, L, len(ids) * d]``."""
         h = self.embed(tokens)
         mask = create_attention_mask(h, cache[0])
         taps = [h] if -1 in self.layer_ids else []
@@ -103,9 +102,15 @@ class TargetAdapter:
             h = layer(h, mask, c)
             if i in self.layer_ids:
                 taps.append(h)
-        logits = self.lm_head(self.inner.norm(h))
         features = mx.concatenate(taps, axis=-1) if taps else None
-        return logits, features
+        return self.inner.norm(h), features
+
+    def __call__(
+        self, tokens: mx.array, cache: list
+    ) -> tuple[mx.array, mx.array | None]:
+        """Logits ``[B, L, V]`` and tapped features ``[B, L, len(ids) * d]``."""
+        hidden, features = self.hidden(tokens, cache)
+        return self.lm_head(hidden), features
 
     def self_check(
         self, tokens: Sequence[int] = (1, 2, 3, 4, 5), atol: float = 1e-2
