@@ -1,7 +1,7 @@
 """``mlx_dspark.convert``: turn checkpoints into MLX model directories.
 
-Sources are mutually exclusive options (``--gguf`` today); each source has its
-own handler below so more (``--draft-model``) can be added alongside.
+Sources are mutually exclusive options (``--gguf``, ``--draft-model``); each
+source has its own handler below.
 """
 
 from __future__ import annotations
@@ -21,6 +21,11 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument(
         "--gguf", metavar="FILE", help="llama-architecture GGUF target model"
     )
+    source.add_argument(
+        "--draft-model",
+        metavar="PATH|REPO",
+        help="DSpark drafter: DeepSpec, speculators 'dspark' or MLX checkpoint",
+    )
     parser.add_argument("--out", metavar="DIR", help="output directory")
     parser.add_argument(
         "--force", action="store_true", help="replace a non-empty --out directory"
@@ -34,6 +39,34 @@ def build_parser() -> argparse.ArgumentParser:
         "--dequantize",
         action="store_true",
         help="write quantized GGUF tensors as float16 (faster on CPU)",
+    )
+    drafter = parser.add_argument_group("drafters (--draft-model)")
+    drafter.add_argument(
+        "-q", "--quantize", action="store_true", help="quantize the drafter"
+    )
+    drafter.add_argument(
+        "--q-bits",
+        type=int,
+        choices=[2, 3, 4, 6, 8],
+        help="bits per weight with -q (default 4)",
+    )
+    drafter.add_argument(
+        "--q-group-size",
+        type=int,
+        choices=[32, 64, 128],
+        help="quantization group size with -q (default 64)",
+    )
+    drafter.add_argument(
+        "--target",
+        metavar="PATH|REPO",
+        help="the target model: leave out the drafter's copies of its embedding "
+        "and LM head, or supply them with --to deepspec",
+    )
+    drafter.add_argument(
+        "--to",
+        choices=["mlx", "deepspec"],
+        default="mlx",
+        help="output format (default mlx; deepspec writes a dequantized checkpoint)",
     )
     parser.add_argument(
         "--dtype",
@@ -91,10 +124,69 @@ def convert_gguf_cli(args: argparse.Namespace) -> None:
     )
 
 
+def _progress():
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
+    return Progress(
+        *columns,
+        console=Console(stderr=True),
+        transient=True,
+        disable=not sys.stderr.isatty(),
+    )
+
+
+_DRAFTER_ONLY = ("quantize", "q_bits", "q_group_size", "target")
+
+
+def convert_drafter_cli(args: argparse.Namespace) -> None:
+    from .drafter import convert_drafter, describe_plan, plan_drafter
+
+    if args.dequantize:
+        raise DSparkError("--dequantize applies to --gguf only.")
+    options = dict(
+        quantize=args.quantize,
+        bits=args.q_bits,
+        group_size=args.q_group_size,
+        dtype=args.dtype,
+        target=args.target,
+        to=args.to,
+    )
+    if args.dry_run:
+        print(describe_plan(plan_drafter(args.draft_model, **options)))
+        return
+    if not args.out:
+        raise DSparkError("--out is required unless --dry-run is given.")
+    progress = _progress()
+    task = None
+
+    def advance(done: int, total: int) -> None:
+        nonlocal task
+        if task is None:
+            progress.start()
+            task = progress.add_task("converting tensors", total=total)
+        progress.update(task, completed=done)
+
+    try:
+        plan = convert_drafter(
+            args.draft_model, args.out, force=args.force, on_tensor=advance, **options
+        )
+    finally:
+        progress.stop()
+    kind = f"{plan.bits}-bit MLX drafter" if plan.bits else f"{plan.to} drafter"
+    print(f"wrote {args.out} ({kind}, {plan.total_bytes / 2**20:.1f} MiB)")
+
+
 def _main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.gguf is not None:
+        used = [f"--{k.replace('_', '-')}" for k in _DRAFTER_ONLY if getattr(args, k)]
+        if used or args.to != "mlx":
+            raise DSparkError(f"{(used or ['--to'])[0]} applies to --draft-model only.")
         convert_gguf_cli(args)
+    else:
+        convert_drafter_cli(args)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
 import os
 import shutil
+import struct
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from mlx_dspark.errors import DSparkError
@@ -72,3 +77,84 @@ def _replace_dir(src: Path, dst: Path) -> None:
         old.rename(dst)
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ safetensors
+
+SAFETENSORS_ITEMSIZE = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
+_MAX_HEADER = 100 * 2**20
+
+
+@dataclass
+class SafetensorsEntry:
+    name: str
+    dtype: str  # safetensors dtype name: "BF16", "F32", ...
+    shape: tuple[int, ...]
+    file: Path
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * SAFETENSORS_ITEMSIZE.get(self.dtype, 1)
+
+
+def read_safetensors_header(path: Path) -> dict[str, SafetensorsEntry]:
+    """The tensor table of a safetensors file, checked against the file size so
+    that truncated or corrupt files are refused before any data is read."""
+    bad = f"{path} is truncated or not a valid safetensors file."
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise DSparkError(bad)
+            (length,) = struct.unpack("<Q", head)
+            if length > min(size - 8, _MAX_HEADER):
+                raise DSparkError(bad)
+            header = json.loads(f.read(length))
+    except OSError as error:
+        raise DSparkError(f"Cannot read {path}: {error.strerror}.") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise DSparkError(bad) from None
+    if not isinstance(header, dict):
+        raise DSparkError(bad)
+    data_size = size - 8 - length
+    entries = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape = info["dtype"], tuple(int(d) for d in info["shape"])
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise DSparkError(bad) from None
+        if dtype not in SAFETENSORS_ITEMSIZE:
+            raise DSparkError(
+                f"Tensor {name} in {path.name} has dtype {dtype}, which is not supported."
+            )
+        entry = SafetensorsEntry(name, dtype, shape, path)
+        if not 0 <= begin <= end <= data_size or end - begin != entry.nbytes:
+            raise DSparkError(bad)
+        entries[name] = entry
+    return entries
+
+
+def sha256_file(path: Path, chunk: int = 16 * 2**20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()

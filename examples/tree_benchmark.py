@@ -28,16 +28,17 @@ from mlx_dspark.tree import TreeMode
 
 PAIRS = {
     "tiny": PairSpec(block_size=8),
+    "tiny-nohead": PairSpec(block_size=8, markov_head_type=None),
     "large": PairSpec(
         vocab_size=4096,
-        hidden_size=1024,
-        num_layers=12,
-        num_heads=16,
-        num_kv_heads=8,
+        hidden_size=768,
+        num_layers=8,
+        num_heads=12,
+        num_kv_heads=4,
         head_dim=64,
-        intermediate_size=3072,
+        intermediate_size=2048,
         block_size=8,
-        perturbation=0.26,
+        perturbation=0.1,
     ),
 }
 PROMPTS = [[1, 2, 3], [7, 8], [20, 4, 11, 9], [13, 5, 5, 21, 2, 17]]

@@ -47,6 +47,7 @@ class DraftConfig:
     markov_head_type: str | None = None
     enable_confidence_head: bool = False
     confidence_head_with_markov: bool = False
+    draft_vocab_size: int | None = None
     architectures: list[str] = field(default_factory=lambda: ["Qwen3DSparkModel"])
     quantization: dict | None = None
     raw: dict = field(default_factory=dict, repr=False)
@@ -65,8 +66,29 @@ class DraftConfig:
             self.markov_head_type = kind
         if self.confidence_head_with_markov and self.markov_rank == 0:
             self.confidence_head_with_markov = False
+        if self.draft_vocab_size is not None:
+            self.draft_vocab_size = int(self.draft_vocab_size)
+            if not 0 < self.draft_vocab_size <= self.vocab_size:
+                raise DSparkError(
+                    f"draft_vocab_size {self.draft_vocab_size} must be between 1 "
+                    f"and the vocabulary size {self.vocab_size}."
+                )
         if self.block_size < 1:
             raise DSparkError(f"block_size must be at least 1, got {self.block_size}.")
+
+    @property
+    def reduced_vocab(self) -> bool:
+        """True when the LM head and Markov W2 cover a reduced draft vocabulary
+        whose ids map to target ids through ``draft_to_target``."""
+        return (
+            self.draft_vocab_size is not None
+            and self.draft_vocab_size != self.vocab_size
+        )
+
+    @property
+    def output_vocab_size(self) -> int:
+        """Rows of the drafter's own LM head and of the Markov W2."""
+        return self.draft_vocab_size if self.reduced_vocab else self.vocab_size
 
     @property
     def confidence_input_dim(self) -> int:

@@ -143,43 +143,75 @@ class DSparkDrafter(nn.Module):
             self.confidence_head = ConfidenceHead(config.confidence_input_dim)
         else:
             self.confidence_head = None
-        self._shared_io: tuple[Callable, Callable] | None = None
+        if config.reduced_vocab:
+            # Target id of each draft id (a reduced draft vocabulary).
+            self.draft_to_target = mx.arange(config.draft_vocab_size, dtype=mx.int32)
+            self.freeze(keys=["draft_to_target"], recurse=False)
+        self._shared_embed: Callable | None = None
+        self._shared_head: Callable | None = None
 
     @property
     def block_size(self) -> int:
         return self.config.block_size
 
-    def own_embeddings(self) -> None:
-        """Give the drafter its own embedding and LM head (checkpoint copies)."""
+    def own_embeddings(self, embed: bool = True, head: bool = True) -> None:
+        """Give the drafter its own embedding and/or LM head (checkpoint copies).
+
+        With a reduced draft vocabulary the LM head has ``draft_vocab_size`` rows.
+        """
         c = self.config
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-        self._shared_io = None
+        if embed:
+            self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+            self._shared_embed = None
+        if head:
+            self.lm_head = nn.Linear(c.hidden_size, c.output_vocab_size, bias=False)
+            self._shared_head = None
 
     def share_embeddings(
         self,
-        embed: Callable[[mx.array], mx.array],
-        lm_head: Callable[[mx.array], mx.array],
+        embed: Callable[[mx.array], mx.array] | None,
+        lm_head: Callable[[mx.array], mx.array] | None,
     ) -> None:
-        """Use the target's embedding and LM head instead of a second copy."""
-        for name in ("embed_tokens", "lm_head"):
-            if name in self:
+        """Use the target's embedding and/or LM head instead of a second copy
+        (``None`` leaves that part as it is)."""
+        if lm_head is not None and self.config.reduced_vocab:
+            raise ValueError("a reduced-vocabulary drafter needs its own LM head")
+        for name, shared in (("embed_tokens", embed), ("lm_head", lm_head)):
+            if shared is not None and name in self:
                 del self[name]
-        self._shared_io = (embed, lm_head)
+        if embed is not None:
+            self._shared_embed = embed
+        if lm_head is not None:
+            self._shared_head = lm_head
 
     @property
     def shares_embeddings(self) -> bool:
-        return self._shared_io is not None
+        return self._shared_embed is not None
 
     def embed(self, tokens: mx.array) -> mx.array:
-        if self._shared_io is None:
+        if self._shared_embed is None:
             return self.embed_tokens(tokens)
-        return self._shared_io[0](tokens)
+        return self._shared_embed(tokens)
 
     def logits(self, hidden: mx.array) -> mx.array:
-        if self._shared_io is None:
+        """Base logits over the drafter's output vocabulary (see ``to_target``)."""
+        if self._shared_head is None:
             return self.lm_head(hidden)
-        return self._shared_io[1](hidden)
+        return self._shared_head(hidden)
+
+    def to_target(self, logits: mx.array) -> mx.array:
+        """Scatter draft-vocabulary logits into the target vocabulary.
+
+        Target tokens outside a reduced draft vocabulary get ``-inf`` (draft
+        probability 0), so drafts, acceptance and residuals all work in target
+        ids. The identity for a full-vocabulary drafter.
+        """
+        if not self.config.reduced_vocab:
+            return logits
+        shape = (*logits.shape[:-1], self.config.vocab_size)
+        full = mx.full(shape, -mx.inf, dtype=logits.dtype)
+        index = mx.broadcast_to(self.draft_to_target, logits.shape)
+        return mx.put_along_axis(full, index, logits, axis=-1)
 
     def make_cache(self) -> DraftCache:
         n = len(self.layers)
@@ -241,23 +273,24 @@ class DSparkDrafter(nn.Module):
         """Sample ``n`` drafts left to right through the sequential head.
 
         ``hidden`` is ``[B, block, d]``; ``anchor`` is ``[B]``. The returned
-        logits are the TSH-corrected ones the drafts were drawn from.
+        logits are the TSH-corrected ones the drafts were drawn from, over the
+        target vocabulary (a reduced draft vocabulary is scattered into it).
         """
         hidden = hidden[:, :n]
         base = self.logits(hidden)
         keys = [None] * n if key is None else list(mx.random.split(key, n))
         if self.markov_head is None:
+            corrected = self.to_target(base)
             tokens = mx.stack(
-                [sample(base[:, k], params, keys[k]) for k in range(n)], axis=1
+                [sample(corrected[:, k], params, keys[k]) for k in range(n)], axis=1
             )
-            corrected = base
         else:
             head = self.markov_head
             state = head.initial_state(anchor.shape)
             prev, tokens, rows = anchor, [], []
             for k in range(n):
                 state, bias = head.step(state, prev, hidden[:, k])
-                row = base[:, k] + bias.astype(base.dtype)
+                row = self.to_target(base[:, k] + bias.astype(base.dtype))
                 prev = sample(row, params, keys[k])
                 tokens.append(prev)
                 rows.append(row)

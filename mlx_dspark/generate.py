@@ -87,6 +87,17 @@ def _cli(
         "--dspark-confidence-threshold",
         help="Cut drafts at the first confidence below this (0 = off).",
     ),
+    scheduler: str | None = typer.Option(
+        None,
+        "--dspark-scheduler",
+        help="off | threshold | auto (default: auto when the pair has a "
+        "calibration and a cost profile).",
+    ),
+    profile: str = typer.Option(
+        "auto",
+        "--dspark-profile",
+        help="auto (use the cached cost profile) | refresh (re-measure it).",
+    ),
     tree_budget: int = typer.Option(
         0,
         "--dspark-tree",
@@ -112,7 +123,12 @@ def _cli(
     target, tokenizer, drafter = load(model, draft_model)
     if tree_budget < 0:
         raise DSparkError(f"--dspark-tree must be >= 0, got {tree_budget}.")
-    if drafter is None and (n_draft is not None or confidence_threshold or tree_budget):
+    if drafter is None and (
+        n_draft is not None
+        or confidence_threshold
+        or scheduler is not None
+        or tree_budget
+    ):
         raise DSparkError("--dspark-* options need --draft-model.")
     text, raw = _build_prompt(
         tokenizer, prompt, system_prompt, ignore_chat_template, chat_template_config
@@ -132,6 +148,8 @@ def _cli(
         seed=seed,
         num_draft=n_draft,
         confidence_threshold=confidence_threshold,
+        scheduler=scheduler,
+        profile=profile,
         tree_budget=tree_budget,
     )
     if not show:

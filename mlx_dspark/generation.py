@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Generator
 from dataclasses import dataclass
@@ -14,9 +15,11 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .drafter import DSparkDrafter
 from .errors import DSparkError
-from .loop import GenerationStats, ThresholdPolicy, speculative_generate_step
+from .loop import GenerationStats, speculative_generate_step
+from .policies import resolve_policy
 from .sampling import SamplingParams
 from .target import TargetAdapter
+from .telemetry import Telemetry
 from .tree import TreeMode
 
 
@@ -25,6 +28,7 @@ class DSparkResponse(GenerationResponse):
     """mlx-lm's response plus the speculation statistics so far."""
 
     stats: GenerationStats | None = None
+    telemetry: Telemetry | None = None
 
 
 def _encode(
@@ -81,9 +85,17 @@ def stream_generate(
     seed: int | None = None,
     num_draft: int | None = None,
     confidence_threshold: float = 0.0,
+    scheduler: str | None = None,
+    profile: str = "auto",
     tree_budget: int = 0,
 ) -> Generator[DSparkResponse, None, None]:
     """Like ``mlx_lm.stream_generate``; ``drafter=None`` decodes with the target alone.
+
+    ``scheduler``: ``"off"`` (fixed ``num_draft``), ``"threshold"`` (cut at
+    ``confidence_threshold``), ``"auto"`` (calibrated prefix scheduler with the
+    memory guard) or None (auto when a calibration and a profile exist, else
+    threshold/off with a note on stderr). ``profile="refresh"`` re-measures the
+    cost profile. Responses carry ``stats`` and ``telemetry``.
 
     ``tree_budget`` > 0 drafts a tree of that many nodes per round instead of
     a chain (``num_draft`` then bounds its depth); 0 drafts a chain.
@@ -101,10 +113,17 @@ def stream_generate(
     params = SamplingParams(temperature, top_p, top_k, min_p)
     prompt = _encode(tokenizer, prompt)
 
-    stats = None
+    stats = telemetry = None
     if drafter is None:
         tokens = _target_only_tokens(model, prompt, params, max_tokens, seed)
     else:
+        num_draft = _check_num_draft(num_draft, drafter)
+        resolved = resolve_policy(
+            model, drafter, scheduler, confidence_threshold, num_draft, profile
+        )
+        if resolved.note:
+            print(resolved.note, file=sys.stderr)
+        telemetry = resolved.policy.telemetry
         stats = GenerationStats()
         target = TargetAdapter(model, drafter.config.target_layer_ids)
         mode = None
@@ -116,9 +135,9 @@ def stream_generate(
             target,
             drafter,
             params=params,
-            num_draft=_check_num_draft(num_draft, drafter),
+            num_draft=num_draft,
             max_tokens=max_tokens,
-            policy=ThresholdPolicy(confidence_threshold),
+            policy=resolved.policy,
             mode=mode,
             seed=seed,
             stats=stats,
@@ -142,6 +161,7 @@ def stream_generate(
             peak_memory=mx.get_peak_memory() / 1e9,
             finish_reason=finish_reason,
             stats=stats,
+            telemetry=telemetry,
         )
 
     for n, (token, from_draft) in enumerate(tokens):
@@ -172,6 +192,13 @@ def format_stats(response: DSparkResponse) -> list[str]:
             f"Acceptance by position: {by_position or '-'}",
             f"Draft / verify time: {stats.draft_time:.3f} s / {stats.verify_time:.3f} s",
         ]
+    tele = response.telemetry
+    if tele is not None and tele.n_rounds:
+        lines.append(
+            f"Scheduler: expected {tele.expected_accepted / tele.n_rounds:.2f} vs "
+            f"actual {tele.drafts_accepted / tele.n_rounds:.2f} accepted drafts per "
+            f"round, cap now {tele.n_current}"
+        )
     lines.append(f"Peak memory: {response.peak_memory:.3f} GB")
     return lines
 

@@ -13,12 +13,17 @@ from .config import DraftConfig
 
 
 class MarkovHead(nn.Module):
-    """Vanilla Markov head: ``bias = W2 . W1[x_{k-1}]``."""
+    """Vanilla Markov head: ``bias = W2 . W1[x_{k-1}]``.
 
-    def __init__(self, vocab_size: int, rank: int):
+    ``W1`` is indexed by target token ids; ``W2`` projects onto the drafter's
+    output vocabulary (``out_vocab_size``: the target's, or a reduced draft
+    vocabulary).
+    """
+
+    def __init__(self, vocab_size: int, rank: int, out_vocab_size: int | None = None):
         super().__init__()
         self.markov_w1 = nn.Embedding(vocab_size, rank)
-        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        self.markov_w2 = nn.Linear(rank, out_vocab_size or vocab_size, bias=False)
 
     def prev_embeddings(self, tokens: mx.array) -> mx.array:
         return self.markov_w1(tokens)
@@ -45,8 +50,14 @@ class MarkovHead(nn.Module):
 class GatedMarkovHead(MarkovHead):
     """The rank-r embedding is gated by ``sigmoid(gate_proj([h_k ; W1[x]]))``."""
 
-    def __init__(self, vocab_size: int, rank: int, hidden_size: int):
-        super().__init__(vocab_size, rank)
+    def __init__(
+        self,
+        vocab_size: int,
+        rank: int,
+        hidden_size: int,
+        out_vocab_size: int | None = None,
+    ):
+        super().__init__(vocab_size, rank, out_vocab_size)
         self.gate_proj = nn.Linear(hidden_size + rank, rank)
 
     def step(self, state, prev_tokens, hidden):
@@ -58,13 +69,21 @@ class GatedMarkovHead(MarkovHead):
 class RNNHead(MarkovHead):
     """GRU-like state over ``[s_{k-1} ; W1[x_{k-1}] ; h_k]``."""
 
-    def __init__(self, vocab_size: int, rank: int, hidden_size: int):
-        super().__init__(vocab_size, rank)
+    def __init__(
+        self,
+        vocab_size: int,
+        rank: int,
+        hidden_size: int,
+        out_vocab_size: int | None = None,
+    ):
+        super().__init__(vocab_size, rank, out_vocab_size)
         self.rank = rank
         self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
 
     def initial_state(self, batch_shape):
-        return mx.zeros((*batch_shape, self.rank), dtype=self.markov_w1.weight.dtype)
+        # The state takes the embeddings' dtype at the first step; W1 may be
+        # quantized (integer weight), so it cannot tell the dtype here.
+        return mx.zeros((*batch_shape, self.rank), dtype=mx.float32)
 
     def step(self, state, prev_tokens, hidden):
         emb = self.prev_embeddings(prev_tokens)
@@ -91,8 +110,9 @@ def build_markov_head(config: DraftConfig) -> MarkovHead | None:
     rank = config.markov_rank
     if rank == 0:
         return None
+    out = config.output_vocab_size
     if config.markov_head_type == "gated":
-        return GatedMarkovHead(config.vocab_size, rank, config.hidden_size)
+        return GatedMarkovHead(config.vocab_size, rank, config.hidden_size, out)
     if config.markov_head_type == "rnn":
-        return RNNHead(config.vocab_size, rank, config.hidden_size)
-    return MarkovHead(config.vocab_size, rank)
+        return RNNHead(config.vocab_size, rank, config.hidden_size, out)
+    return MarkovHead(config.vocab_size, rank, out)

@@ -8,14 +8,13 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten
 
 from .config import DraftConfig
 from .drafter import DSparkDrafter
 from .errors import DSparkError
 from .target import TargetAdapter
-
-SHARED_TENSORS = ("embed_tokens.weight", "lm_head.weight")
 
 
 def resolve_path(path_or_repo: str | Path, what: str) -> Path:
@@ -102,34 +101,62 @@ def _same(a: mx.array, b: mx.array) -> bool:
     )
 
 
+def _own_part(weights: dict[str, mx.array], module: str) -> dict[str, mx.array]:
+    return {k: weights.pop(k) for k in list(weights) if k.split(".")[0] == module}
+
+
+def _shareable(own: dict[str, mx.array], module: str, target_weight: mx.array) -> bool:
+    """Whether a float checkpoint copy equals the target's tensor."""
+    weight = own.get(f"{module}.weight")
+    return (
+        weight is not None
+        and f"{module}.scales" not in own
+        and _same(weight, target_weight)
+    )
+
+
 def build_drafter(
     config: DraftConfig, weights: dict[str, mx.array], target: TargetAdapter | None
 ) -> DSparkDrafter:
-    """Instantiate the drafter, sharing the target's embedding and head when possible."""
+    """Instantiate the drafter, sharing the target's embedding and head when possible.
+
+    A part the checkpoint omits is taken from the target; when it holds both
+    and both equal the target's they are shared, otherwise kept. A
+    reduced-vocabulary drafter always keeps its own (smaller) LM head.
+    """
     drafter = DSparkDrafter(config)
-    own = {k: weights.pop(k) for k in SHARED_TENSORS if k in weights}
-    share = target is not None and (
-        not own
-        or (
-            _same(
-                own.get("embed_tokens.weight", target.inner.embed_tokens.weight),
-                target.inner.embed_tokens.weight,
-            )
-            and _same(
-                own.get("lm_head.weight", _target_head_weight(target)),
-                _target_head_weight(target),
-            )
-        )
-    )
-    if share:
-        drafter.share_embeddings(target.embed, target.lm_head)
-    elif len(own) == len(SHARED_TENSORS):
-        drafter.own_embeddings()
-        weights.update(own)
+    own_embed = _own_part(weights, "embed_tokens")
+    own_head = _own_part(weights, "lm_head")
+    if target is None:
+        share_embed = share_head = False
     else:
+        share_embed = not own_embed or _shareable(
+            own_embed, "embed_tokens", target.inner.embed_tokens.weight
+        )
+        share_head = not config.reduced_vocab and (
+            not own_head or _shareable(own_head, "lm_head", _target_head_weight(target))
+        )
+        whole = own_embed and own_head and not config.reduced_vocab
+        if whole and not (share_embed and share_head):
+            # A complete checkpoint copy that differs anywhere is kept whole.
+            share_embed = share_head = False
+    if (not own_embed and not share_embed) or (not own_head and not share_head):
+        if config.reduced_vocab and not own_head:
+            raise DSparkError(
+                "The reduced-vocabulary drafter has no LM head of its own."
+            )
         raise DSparkError(
             "The drafter has no embedding or LM head of its own; load it with its target."
         )
+    drafter.own_embeddings(embed=not share_embed, head=not share_head)
+    drafter.share_embeddings(
+        target.embed if share_embed else None,
+        target.lm_head if share_head else None,
+    )
+    if not share_embed:
+        weights.update(own_embed)
+    if not share_head:
+        weights.update(own_head)
     if config.quantization:
         q = config.quantization
         nn.quantize(
@@ -150,6 +177,10 @@ def build_drafter(
             f"The drafter checkpoint has tensors this configuration does not use: "
             f"{', '.join(unexpected[:4])}."
         )
+    if config.reduced_vocab:
+        weights["draft_to_target"] = _check_draft_to_target(
+            weights["draft_to_target"], config
+        )
     try:
         drafter.load_weights(list(weights.items()))
     except ValueError as error:
@@ -158,6 +189,25 @@ def build_drafter(
         ) from None
     mx.eval(drafter.parameters())
     return drafter
+
+
+def _check_draft_to_target(table: mx.array, config: DraftConfig) -> mx.array:
+    ids = np.array(table).astype(np.int64).reshape(-1)
+    if ids.size != config.draft_vocab_size:
+        raise DSparkError(
+            f"draft_to_target has {ids.size} entries, but draft_vocab_size is "
+            f"{config.draft_vocab_size}."
+        )
+    if (
+        ids.min() < 0
+        or ids.max() >= config.vocab_size
+        or np.unique(ids).size != ids.size
+    ):
+        raise DSparkError(
+            "draft_to_target must map draft ids to distinct target ids below "
+            f"{config.vocab_size}."
+        )
+    return mx.array(ids.astype(np.int32))
 
 
 def _target_head_weight(target: TargetAdapter) -> mx.array:
@@ -176,7 +226,9 @@ def load_drafter(
     if target is not None:
         adapter = TargetAdapter(target, config.target_layer_ids)
         check_pair(config, adapter)
-    return build_drafter(config, read_weights(path), adapter)
+    drafter = build_drafter(config, read_weights(path), adapter)
+    drafter.source_path = path
+    return drafter
 
 
 def load(

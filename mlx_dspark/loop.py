@@ -74,6 +74,14 @@ class GenerationStats:
 
 
 class DraftPolicy(Protocol):
+    """Decides how many drafts each round verifies.
+
+    Two optional methods are called when a policy has them: ``round_cap(cap)
+    -> int`` may lower a round's cap before drafting (it must not look at the
+    round's drafts; the memory guard uses it), and ``observe(proposal, round)``
+    sees every finished round (calibration, telemetry).
+    """
+
     def draft_length(self, proposal: Proposal, cap: int) -> int:
         """How many of the proposal's first ``cap`` drafts to verify."""
 
@@ -214,8 +222,12 @@ def speculative_generate_step(
     yield anchor, False
 
     produced, start = 1, prompt.size
+    round_cap = getattr(policy, "round_cap", None)
+    observe = getattr(policy, "observe", None)
     while produced < max_tokens:
         cap = min(num_draft, max_tokens - produced - 1)
+        if round_cap is not None:
+            cap = max(0, min(cap, int(round_cap(cap))))
         tic = time.perf_counter()
         if cap > 0:
             key, round_key = mx.random.split(key)
@@ -242,6 +254,8 @@ def speculative_generate_step(
                 verify_time=time.perf_counter() - drafted_at,
             )
         )
+        if observe is not None:
+            observe(proposal, stats.rounds[-1])
         for token in drafts[: result.accepted]:
             yield token, True
         yield result.next_token, False

@@ -46,6 +46,10 @@ class PairSpec:
     block_size: int = 7
     markov_head_type: str | None = "vanilla"
     confidence_with_markov: bool = True
+    # Markov rank; None = ``code_dims``. A larger rank pads W1/W2 with zero
+    # columns, e.g. to a multiple of a quantization group size so that the
+    # sequential head can be quantized too.
+    markov_rank: int | None = None
     sharpness: float = 1.5
     perturbation: float = 0.26
     seed: int = 0
@@ -53,6 +57,12 @@ class PairSpec:
     @property
     def code_dims(self) -> int:
         return min(self.hidden_size, self.num_kv_heads * self.head_dim) - 1
+
+    @property
+    def rank(self) -> int:
+        if not self.markov_head_type:
+            return 0
+        return max(self.markov_rank or 0, self.code_dims)
 
     @property
     def mask_token_id(self) -> int:
@@ -99,7 +109,7 @@ def target_config(spec: PairSpec) -> dict:
 
 def drafter_config(spec: PairSpec) -> dict:
     config = target_config(spec)
-    rank = spec.code_dims if spec.markov_head_type else 0
+    rank = spec.rank
     config.update(
         architectures=["Qwen3DSparkModel"],
         num_hidden_layers=spec.draft_layers,
@@ -183,15 +193,18 @@ def _drafter_weights(
     fc[m] = 0.0
     if spec.markov_head_type:
         beta = 4.0 * spec.sharpness * np.sqrt(d)
-        weights["markov_head.markov_w1.weight"] = codes.copy()
-        w2 = np.zeros((v, m), np.float32)
-        w2[chain] = beta * codes[: len(chain)]
+        r = spec.rank
+        w1 = np.zeros((v, r), np.float32)
+        w1[:, :m] = codes
+        weights["markov_head.markov_w1.weight"] = w1
+        w2 = np.zeros((v, r), np.float32)
+        w2[chain, :m] = beta * codes[: len(chain)]
         weights["markov_head.markov_w2.weight"] = w2
         if spec.markov_head_type == "gated":
-            weights["markov_head.gate_proj.bias"] = np.full(m, 6.0, np.float32)
+            weights["markov_head.gate_proj.bias"] = np.full(r, 6.0, np.float32)
         if spec.markov_head_type == "rnn":
             joint = weights["markov_head.joint_proj.weight"]
-            joint[2 * m :, m : 2 * m] = 8.0 * np.eye(m, dtype=np.float32)
+            joint[2 * r :, r : 2 * r] = 8.0 * np.eye(r, dtype=np.float32)
             weights["markov_head.joint_proj.weight"] = joint
     conf = rng.standard_normal(weights["confidence_head.proj.weight"].shape)
     weights["confidence_head.proj.weight"] = (conf / np.sqrt(conf.size)).astype(

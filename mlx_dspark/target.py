@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from .errors import DSparkError
 from .metal.dispatch import tree_attention
@@ -225,10 +225,9 @@ class TargetAdapter:
         features = mx.concatenate(taps, axis=-1) if taps else None
         return logits, features
 
-    def __call__(
-        self, tokens: mx.array, cache: list
-    ) -> tuple[mx.array, mx.array | None]:
-        """Logits ``[B, L, V]`` and tapped features ``[B, L, len(ids) * d]``."""
+    def hidden(self, tokens: mx.array, cache: list) -> tuple[mx.array, mx.array | None]:
+        """Final normalised hidden states ``[B, L, d]`` (``lm_head`` input) and
+        tapped features ``[B, L, len(ids) * d]``."""
         h = self.embed(tokens)
         mask = create_attention_mask(h, cache[0])
         taps = [h] if -1 in self.layer_ids else []
@@ -236,9 +235,15 @@ class TargetAdapter:
             h = layer(h, mask, c)
             if i in self.layer_ids:
                 taps.append(h)
-        logits = self.lm_head(self.inner.norm(h))
         features = mx.concatenate(taps, axis=-1) if taps else None
-        return logits, features
+        return self.inner.norm(h), features
+
+    def __call__(
+        self, tokens: mx.array, cache: list
+    ) -> tuple[mx.array, mx.array | None]:
+        """Logits ``[B, L, V]`` and tapped features ``[B, L, len(ids) * d]``."""
+        hidden, features = self.hidden(tokens, cache)
+        return self.lm_head(hidden), features
 
     def self_check(
         self, tokens: Sequence[int] = (1, 2, 3, 4, 5), atol: float = 1e-2
@@ -261,3 +266,50 @@ class TargetAdapter:
                 f"The target adapter does not reproduce this {self.model_type} model's "
                 f"logits (relative error {error:.3g}); its mlx-lm version may be unsupported."
             )
+
+    def forward_batch(
+        self, tokens: Sequence[Sequence[int]], caches: Sequence[list]
+    ) -> list[tuple[mx.array, mx.array | None]]:
+        """One forward for R requests, each with its own single-request cache.
+
+        Request r's cached keys/values are left-padded to the longest context
+        and its new tokens right-padded to the longest query; a padding mask
+        and per-request RoPE offsets make every real row equal to a forward of
+        that request alone. Each request's new keys/values (all its rows) are
+        appended to its own cache; roll back rejected ones with
+        :meth:`rollback`. Returns ``(logits [1, L_r, V], features [1, L_r, F])``
+        per request.
+        """
+        lengths = [len(t) for t in tokens]
+        if len(caches) != len(lengths) or min(lengths, default=0) < 1:
+            raise ValueError("one non-empty token list per cache is required")
+        width = max(lengths)
+        contexts = [c[0].offset for c in caches]
+        longest = max(contexts)
+        batch_cache = []
+        for layer in range(len(self.layers)):
+            keys, values = [], []
+            for cache, context in zip(caches, contexts, strict=True):
+                k, v = cache[layer].state[:2]
+                pad = [(0, 0), (0, 0), (longest - context, 0), (0, 0)]
+                keys.append(mx.pad(k[..., :context, :], pad))
+                values.append(mx.pad(v[..., :context, :], pad))
+            stacked = BatchKVCache([longest - c for c in contexts])
+            if longest:
+                stacked.update_and_fetch(
+                    mx.concatenate(keys, axis=0), mx.concatenate(values, axis=0)
+                )
+            batch_cache.append(stacked)
+        padded = mx.array([list(t) + [0] * (width - len(t)) for t in tokens])
+        logits, features = self(padded, batch_cache)
+        out = []
+        for r, (cache, n) in enumerate(zip(caches, lengths, strict=True)):
+            for layer, stacked in zip(cache, batch_cache, strict=True):
+                k, v = stacked.keys_and_values()
+                layer.update_and_fetch(
+                    k[r : r + 1, :, longest : longest + n],
+                    v[r : r + 1, :, longest : longest + n],
+                )
+            feats = None if features is None else features[r : r + 1, :n]
+            out.append((logits[r : r + 1, :n], feats))
+        return out

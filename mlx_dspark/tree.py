@@ -6,7 +6,8 @@ depth ``k + 1``. Each node carries its own sequential-head state (the previous
 token for the Markov heads, the recurrent state for ``rnn``): expanding a node
 runs ``head.step`` on its token and state, and all nodes expanded together go
 through one batched ``head.step``. Without a sequential head the children at
-depth ``k + 1`` come from the base logits of position ``k``.
+depth ``k + 1`` come from the base logits of position ``k``. A reduced draft
+vocabulary is scattered into the target's, as in chain drafting.
 
 Nodes are added best-first under a node budget, depth at most the round's cap
 (<= block size). Each expanded node ``u`` has an ordered list of candidate
@@ -128,6 +129,7 @@ class TreeMode:
                 state = mx.stack([nodes[i].state for i in pending])
             state, bias = head.step(state, prev, hidden[depth])
             rows = rows + bias.astype(rows.dtype)
+        rows = drafter.to_target(rows)
         if params.greedy:
             logq = rows.astype(mx.float32)
             logq = logq - mx.logsumexp(logq, axis=-1, keepdims=True)

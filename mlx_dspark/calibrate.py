@@ -1,0 +1,336 @@
+"""Calibrate a drafter's confidence head with Sequential Temperature Scaling.
+
+Usage::
+
+    mlx_dspark.calibrate --model T --draft-model D [--prompts FILE] [--rounds N] [--out PATH]
+
+Runs full-block speculative rounds through the generation loop on held-out
+prompts, records per position the raw confidence logit and whether the draft
+survived, fits one temperature per position (left to right), reports ECE and
+ROC-AUC before/after, and stores the result beside the drafter
+(``<drafter>/dspark_calibration.json``) or, when that directory is not
+writable, in the user cache keyed by the pair. :func:`find_calibration` (used
+by the generation path) looks in both places.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import typer
+
+from .calibration import (
+    CalibrationRecord,
+    CalibrationResult,
+    evaluate,
+    fit_sts,
+    records_to_arrays,
+)
+from .drafter import DSparkDrafter, Proposal
+from .errors import DSparkError, run_cli
+from .loop import RoundStats, speculative_generate_step
+from .profile import _digest, model_fingerprint
+from .sampling import SamplingParams
+from .structured import cache_dir
+from .target import TargetAdapter
+
+CALIBRATION_FILE = "dspark_calibration.json"
+
+BUILTIN_PROMPTS = [
+    # chat
+    "What are some good ways to stay focused while working from home?",
+    "Write a short, friendly email declining a meeting invitation.",
+    "Explain the difference between weather and climate to a child.",
+    # code
+    "Write a Python function that returns the n-th Fibonacci number iteratively.",
+    "Implement binary search over a sorted list in Python and explain it.",
+    "def merge_sort(values):\n    # Sort a list with merge sort\n",
+    # math
+    "Solve for x: 3x + 7 = 22. Show each step.",
+    "What is the sum of the first 100 positive integers? Explain.",
+    "A train travels 120 km in 1.5 hours. What is its average speed in km/h?",
+]
+
+
+@dataclass
+class RecordingPolicy:
+    """Verify every drafted position and record (confidence, outcome) per round."""
+
+    records: list[CalibrationRecord] = field(default_factory=list)
+
+    def draft_length(self, proposal: Proposal, cap: int) -> int:
+        return cap
+
+    def observe(self, proposal: Proposal, round_stats: RoundStats) -> None:
+        if proposal.confidence is None or round_stats.drafted == 0:
+            return
+        z = np.array(proposal.confidence[0, : round_stats.drafted].astype(mx.float32))
+        self.records.append(
+            CalibrationRecord(z, round_stats.verified, round_stats.accepted)
+        )
+
+
+def pair_key(model: nn.Module, drafter: DSparkDrafter) -> str:
+    return _digest(
+        [model_fingerprint(model), model_fingerprint(drafter, drafter.config.to_dict())]
+    )
+
+
+def cached_calibration_path(model: nn.Module, drafter: DSparkDrafter) -> Path:
+    return cache_dir() / "calibration" / f"{pair_key(model, drafter)}.json"
+
+
+def beside_drafter_path(drafter: DSparkDrafter) -> Path | None:
+    source = getattr(drafter, "source_path", None)
+    return None if source is None else Path(source) / CALIBRATION_FILE
+
+
+def find_calibration(
+    model: nn.Module, drafter: DSparkDrafter
+) -> tuple[CalibrationResult, Path] | None:
+    """The stored calibration of this pair (beside the drafter first, then the
+    user cache), or None; an unreadable file counts as missing."""
+    for path in (beside_drafter_path(drafter), cached_calibration_path(model, drafter)):
+        if path is not None and path.is_file():
+            try:
+                result = CalibrationResult.load(path)
+            except DSparkError:
+                continue
+            if result.temperatures:
+                return result, path
+    return None
+
+
+def _writable(directory: Path) -> bool:
+    return directory.is_dir() and os.access(directory, os.W_OK | os.X_OK)
+
+
+def default_output(model: nn.Module, drafter: DSparkDrafter) -> Path:
+    beside = beside_drafter_path(drafter)
+    if beside is not None and _writable(beside.parent):
+        return beside
+    return cached_calibration_path(model, drafter)
+
+
+def encode_prompts(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
+    encoded = []
+    for text in prompts:
+        if getattr(tokenizer, "has_chat_template", False):
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}],
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+            tokens = tokenizer.encode(text, add_special_tokens=False)
+        else:
+            tokens = tokenizer.encode(text)
+        if tokens:
+            encoded.append(list(tokens))
+    if not encoded:
+        raise DSparkError("No calibration prompt produced any tokens.")
+    return encoded
+
+
+def collect_records(
+    model: nn.Module,
+    drafter: DSparkDrafter,
+    prompts: list[list[int]],
+    rounds: int,
+    params: SamplingParams = SamplingParams(),
+    max_tokens: int = 128,
+    seed: int = 0,
+    progress: bool = False,
+) -> list[CalibrationRecord]:
+    """Full-block rounds over the prompts (cycling with new seeds) until
+    ``rounds`` rounds are recorded."""
+    from rich.progress import Progress
+
+    target = TargetAdapter(model, drafter.config.target_layer_ids)
+    policy = RecordingPolicy()
+    attempt = 0
+    with Progress(transient=True, disable=not progress) as bar:
+        task = bar.add_task("Speculative rounds", total=rounds)
+        while len(policy.records) < rounds:
+            prompt = prompts[attempt % len(prompts)]
+            before = len(policy.records)
+            for _ in speculative_generate_step(
+                mx.array(prompt),
+                target,
+                drafter,
+                params=params,
+                max_tokens=max_tokens,
+                policy=policy,
+                seed=seed + attempt,
+            ):
+                if len(policy.records) >= rounds:
+                    break
+            bar.update(task, completed=len(policy.records))
+            attempt += 1
+            if attempt >= len(prompts) and len(policy.records) == before:
+                raise DSparkError(
+                    "The drafter produced no confidence scores; it has no "
+                    "confidence head to calibrate."
+                )
+    return policy.records[:rounds]
+
+
+def fit_records(
+    records: list[CalibrationRecord], n_positions: int, holdout: float = 0.3
+) -> CalibrationResult:
+    """Fit STS on the first rounds, report before/after on the held-out rest
+    (on all rounds when there are too few to split)."""
+    logits, survived, valid = records_to_arrays(records, n_positions)
+    n_fit = len(records)
+    if len(records) >= 40:
+        n_fit = int(round(len(records) * (1 - holdout)))
+    temps = fit_sts(logits[:n_fit], survived[:n_fit], valid=valid[:n_fit])
+    rest = slice(n_fit, None) if n_fit < len(records) else slice(None)
+    return evaluate(logits[rest], survived[rest], temps, valid=valid[rest])
+
+
+def calibrate_pair(
+    model: nn.Module,
+    tokenizer: Any,
+    drafter: DSparkDrafter,
+    prompts: list[str] | None = None,
+    rounds: int = 300,
+    params: SamplingParams = SamplingParams(),
+    max_tokens: int = 128,
+    seed: int = 0,
+    out: str | Path | None = None,
+    plot: bool = True,
+    progress: bool = False,
+) -> tuple[CalibrationResult, Path, Path | None]:
+    """Collect rounds, fit STS, save; returns (result, json path, png path)."""
+    if rounds < 1:
+        raise DSparkError(f"--rounds must be at least 1, got {rounds}.")
+    encoded = encode_prompts(tokenizer, prompts or BUILTIN_PROMPTS)
+    records = collect_records(
+        model, drafter, encoded, rounds, params, max_tokens, seed, progress
+    )
+    result = fit_records(records, drafter.block_size)
+    path = Path(out) if out is not None else default_output(model, drafter)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = path.with_name(f".{path.name}.tmp")
+        result.save(staging)
+        os.replace(staging, path)
+    except OSError as error:
+        raise DSparkError(
+            f"Could not write the calibration to {path}: {error.strerror}."
+        ) from None
+    png = None
+    if plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            plot = False
+    if plot:
+        png = path.with_suffix(".png")
+        staging = png.with_name(f".{png.stem}.tmp.png")
+        result.reliability_diagram(staging)
+        os.replace(staging, png)
+    return result, path, png
+
+
+def render_result(result: CalibrationResult, console) -> None:
+    from rich.table import Table
+
+    def fmt(value: float) -> str:
+        return "-" if value is None or not math.isfinite(value) else f"{value:.3f}"
+
+    table = Table(title=f"STS calibration ({result.n_rounds} held-out rounds)")
+    for name in ("pos", "T", "ECE raw", "ECE STS", "AUC raw", "AUC STS"):
+        table.add_column(name, justify="right")
+    for k, temp in enumerate(result.temperatures):
+        table.add_row(
+            str(k + 1),
+            fmt(temp),
+            fmt(result.ece_before[k]),
+            fmt(result.ece_after[k]),
+            fmt(result.auc_before[k]),
+            fmt(result.auc_after[k]),
+        )
+    console.print(table)
+
+
+def _cli(
+    model: str = typer.Option(..., "--model", help="Target model path or repo."),
+    draft_model: str = typer.Option(
+        ..., "--draft-model", help="DSpark drafter path or repo."
+    ),
+    prompts: Path | None = typer.Option(
+        None,
+        "--prompts",
+        help="Text file with one prompt per line (default: built-in chat/code/math set).",
+    ),
+    rounds: int = typer.Option(300, "--rounds", help="Speculative rounds to record."),
+    out: Path | None = typer.Option(
+        None,
+        "--out",
+        help="Output JSON (default: beside the drafter, else the user cache).",
+    ),
+    max_tokens: int = typer.Option(
+        128, "--max-tokens", help="Tokens generated per prompt."
+    ),
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature."),
+    seed: int = typer.Option(0, "--seed", help="Random seed."),
+    plot: bool = typer.Option(
+        True, "--plot/--no-plot", help="Write a reliability diagram PNG."
+    ),
+) -> None:
+    """Fit the confidence head's STS temperatures for a target/drafter pair."""
+    from rich.console import Console
+
+    from .loading import load
+
+    texts = None
+    if prompts is not None:
+        try:
+            texts = [
+                line.replace("\\n", "\n")
+                for line in prompts.read_text().splitlines()
+                if line.strip()
+            ]
+        except (OSError, UnicodeDecodeError):
+            raise DSparkError(f"Cannot read the prompts file {prompts}.") from None
+        if not texts:
+            raise DSparkError(f"The prompts file {prompts} has no prompts.")
+    target, tokenizer, drafter = load(model, draft_model)
+    console = Console(stderr=True)
+    result, path, png = calibrate_pair(
+        target,
+        tokenizer,
+        drafter,
+        prompts=texts,
+        rounds=rounds,
+        params=SamplingParams(temperature=temp),
+        max_tokens=max_tokens,
+        seed=seed,
+        out=out,
+        plot=plot,
+        progress=True,
+    )
+    render_result(result, Console())
+    console.print(f"Calibration written to {path}")
+    if png is not None:
+        console.print(f"Reliability diagram written to {png}")
+    elif plot:
+        console.print("No reliability diagram: install matplotlib to get one.")
+
+
+def main() -> None:
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    app.command()(_cli)
+    run_cli(app)
+
+
+if __name__ == "__main__":
+    main()

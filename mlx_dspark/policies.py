@@ -1,0 +1,285 @@
+"""Draft policies that plug the scheduler into the generation loop, and the
+batched verification entry point.
+
+:class:`SchedulerPolicy` is Algorithm 1 on the STS-calibrated prefix survival
+``a_j = prod_{i<=j} sigmoid(z_i / T_i)``. ``a_j`` is a function of the drafts
+before ``j`` only (the confidence head reads the previous sampled token), and
+:func:`~mlx_dspark.scheduler.schedule` decides position ``k`` from ``a_1..a_k``,
+so the verified length never depends on the draft being tested: lossless. The
+round's cap comes from the memory guard, which reads memory pressure, never
+drafts.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from .calibration import apply_sts
+from .drafter import Proposal
+from .errors import DSparkError
+from .loop import DraftPolicy, RoundStats
+from .memory import MemoryGuard
+from .sampling import SamplingParams
+from .scheduler import SchedulerSettings, StepRateCurve, schedule
+from .target import TargetAdapter
+from .telemetry import Telemetry
+from .verify import Verdict, verdict
+
+
+def calibrated_survival(
+    raw_confidence: np.ndarray, temperatures: Sequence[float] | None = None
+) -> np.ndarray:
+    """Prefix survival a_1..a_K from raw confidence logits (T = 1 where no
+    temperature is known)."""
+    z = np.asarray(raw_confidence, dtype=np.float64).ravel()
+    temps = np.ones(z.size)
+    if temperatures is not None:
+        known = np.asarray(list(temperatures)[: z.size], dtype=np.float64)
+        temps[: known.size] = np.where(np.isfinite(known) & (known > 0), known, 1.0)
+    return apply_sts(z, temps)[1]
+
+
+def _raw_confidence(proposal: Proposal, cap: int, row: int = 0) -> np.ndarray | None:
+    if proposal.confidence is None or cap <= 0:
+        return None
+    return np.array(proposal.confidence[row, :cap].astype(mx.float32))
+
+
+@dataclass
+class _Recording:
+    """Telemetry for every round: cap, admitted, expected vs actual accepted."""
+
+    temperatures: list[float] | None = None
+    telemetry: Telemetry = field(default_factory=Telemetry)
+
+    def observe(self, proposal: Proposal, round_stats: RoundStats) -> None:
+        expected = 0.0
+        z = _raw_confidence(proposal, round_stats.verified)
+        if z is not None:
+            expected = float(calibrated_survival(z, self.temperatures).sum())
+        self.telemetry.record_round(
+            round_stats.drafted,
+            round_stats.verified,
+            expected,
+            round_stats.accepted,
+            round_stats.verify_time * 1000.0,
+        )
+
+
+@dataclass
+class MonitoredPolicy(_Recording):
+    """Another policy (fixed length, threshold) with telemetry."""
+
+    inner: DraftPolicy | None = None
+
+    def round_cap(self, cap: int) -> int:
+        self.telemetry.n_current = cap
+        return cap
+
+    def draft_length(self, proposal: Proposal, cap: int) -> int:
+        return cap if self.inner is None else self.inner.draft_length(proposal, cap)
+
+
+@dataclass
+class SchedulerPolicy(_Recording):
+    """Algorithm 1 on calibrated survival, capped by the memory guard.
+
+    The first ``settings.warmup_steps`` rounds verify the whole cap (decided
+    before drafting, so lossless); after that, ``schedule`` decides. At least
+    ``settings.n_draft_min`` drafts are verified when the cap allows.
+    """
+
+    curve: StepRateCurve | None = None
+    settings: SchedulerSettings = field(default_factory=SchedulerSettings)
+    guard: MemoryGuard | None = None
+    rounds_seen: int = 0
+
+    def __post_init__(self) -> None:
+        if self.curve is None:
+            raise ValueError("SchedulerPolicy needs a step-rate curve")
+
+    def round_cap(self, cap: int) -> int:
+        if self.guard is not None:
+            try:
+                cap = min(cap, int(self.guard.cap()))
+                self.telemetry.memory_pressure_level = int(self.guard.level)
+            except Exception:
+                pass  # the guard never stops a generation
+        self.telemetry.n_current = cap
+        return cap
+
+    def survival(self, proposal: Proposal, cap: int, row: int = 0) -> np.ndarray:
+        z = _raw_confidence(proposal, cap, row)
+        return np.ones(0) if z is None else calibrated_survival(z, self.temperatures)
+
+    def draft_lengths(
+        self, proposals: Sequence[Proposal], caps: Sequence[int]
+    ) -> list[int]:
+        """Algorithm 1 over R requests verified in one batch."""
+        caps = [max(0, int(c)) for c in caps]
+        if self.rounds_seen < self.settings.warmup_steps:
+            return caps
+        if any(p.confidence is None for p in proposals):
+            return caps
+        survival = [self.survival(p, c) for p, c in zip(proposals, caps, strict=True)]
+        lengths = schedule(survival, self.curve, caps)
+        floor = self.settings.n_draft_min
+        return [max(n, min(floor, c)) for n, c in zip(lengths, caps, strict=True)]
+
+    def draft_length(self, proposal: Proposal, cap: int) -> int:
+        return self.draft_lengths([proposal], [cap])[0]
+
+    def observe(self, proposal: Proposal, round_stats: RoundStats) -> None:
+        super().observe(proposal, round_stats)
+        self.rounds_seen += 1
+
+
+def mean_ece(ece: Sequence[float]) -> float:
+    values = [v for v in ece if v is not None and math.isfinite(v)]
+    return float(np.mean(values)) if values else float("nan")
+
+
+def verify_batch(
+    target: TargetAdapter,
+    caches: Sequence[list],
+    anchors: Sequence[int],
+    proposals: Sequence[Proposal],
+    lengths: Sequence[int],
+    params: SamplingParams,
+    rngs: Sequence[np.random.Generator],
+) -> list[tuple[Verdict, list[int], mx.array]]:
+    """Verify R requests' chains in one target forward.
+
+    Request r sends its anchor and its first ``lengths[r]`` drafts; each
+    request keeps its own cache (rolled back after its own rejection) and its
+    own random stream. Per request the result equals
+    :meth:`~mlx_dspark.loop.ChainMode.verify` on that request alone:
+    ``(verdict, drafts verified, features to commit)``.
+    """
+    drafts = [
+        np.array(p.tokens[0, :n]).tolist()
+        for p, n in zip(proposals, lengths, strict=True)
+    ]
+    outputs = target.forward_batch(
+        [[int(a), *d] for a, d in zip(anchors, drafts, strict=True)], caches
+    )
+    mx.eval([o for out in outputs for o in out if o is not None])
+    results = []
+    for cache, proposal, chain, n, rng, (logits, features) in zip(
+        caches, proposals, drafts, lengths, rngs, outputs, strict=True
+    ):
+        result = verdict(
+            np.array(chain, dtype=np.int64),
+            proposal.logits[0, :n],
+            logits[0],
+            params,
+            rng,
+        )
+        target.rollback(cache, n - result.accepted)
+        committed = None if features is None else features[:, : result.accepted + 1]
+        results.append((result, chain, committed))
+    return results
+
+
+SCHEDULERS = ("off", "threshold", "auto")
+
+
+@dataclass
+class ResolvedPolicy:
+    """What :func:`resolve_policy` chose: the policy, its mode and why."""
+
+    policy: SchedulerPolicy | MonitoredPolicy
+    mode: str
+    note: str | None = None
+    calibration_path: str | None = None
+
+
+def resolve_policy(
+    model,
+    drafter,
+    scheduler: str | None = None,
+    confidence_threshold: float = 0.0,
+    num_draft: int | None = None,
+    profile: str = "auto",
+    settings: SchedulerSettings | None = None,
+    memory_source=None,
+    progress: bool = True,
+) -> ResolvedPolicy:
+    """Build the draft policy for ``scheduler`` = off | threshold | auto | None.
+
+    None picks ``auto`` when this pair has a calibration and a cached profile
+    (or ``DSPARK_SCHEDULER_ENABLED`` is true, or ``profile="refresh"``), else
+    ``threshold`` (threshold > 0) or ``off``, with a note saying why. ``auto``
+    measures the profile when none is cached (``profile="refresh"`` always
+    re-measures) and uses raw confidences when there is no calibration.
+    DSPARK_* variables override ``settings``.
+    """
+    from .calibrate import find_calibration
+    from .loop import ThresholdPolicy
+    from .profile import get_profile, load_profile
+
+    if scheduler is not None and scheduler not in SCHEDULERS:
+        raise DSparkError(
+            f"scheduler must be one of {', '.join(SCHEDULERS)}, got {scheduler!r}."
+        )
+    if profile not in ("auto", "refresh"):
+        raise DSparkError(f"profile must be 'auto' or 'refresh', got {profile!r}.")
+    base = settings or SchedulerSettings(confidence_threshold=confidence_threshold)
+    settings = SchedulerSettings.from_env(base=base)
+    threshold = settings.confidence_threshold
+    if scheduler == "off" and threshold > 0:
+        raise DSparkError(
+            "A confidence threshold needs --dspark-scheduler threshold, not off."
+        )
+    found = find_calibration(model, drafter)
+    temperatures = None if found is None else list(found[0].temperatures)
+    cal_path = None if found is None else str(found[1])
+    note = None
+    if scheduler is None:
+        env_enabled = "DSPARK_SCHEDULER_ENABLED" in os.environ
+        wants_auto = settings.enabled if env_enabled else profile == "refresh"
+        has_profile = load_profile(model, drafter) is not None
+        if wants_auto or (found is not None and has_profile and not env_enabled):
+            scheduler = "auto"
+        else:
+            scheduler = "threshold" if threshold > 0 else "off"
+        if scheduler != "auto" and not env_enabled:
+            missing = [
+                what
+                for what, ok in (
+                    ("calibration (run mlx_dspark.calibrate)", found is not None),
+                    (
+                        "cost profile (use --dspark-scheduler auto or "
+                        "--dspark-profile refresh)",
+                        has_profile,
+                    ),
+                )
+                if not ok
+            ]
+            note = (
+                f"[dspark] scheduler: {scheduler}, because this pair has no "
+                f"{' and no '.join(missing)}."
+            )
+    telemetry = Telemetry()
+    if found is not None:
+        telemetry.ece = mean_ece(found[0].ece_after)
+    if scheduler != "auto":
+        inner = ThresholdPolicy(threshold if scheduler == "threshold" else 0.0)
+        policy = MonitoredPolicy(temperatures, telemetry, inner)
+        return ResolvedPolicy(policy, scheduler, note, cal_path)
+    if found is None:
+        note = (
+            "[dspark] scheduler: auto with raw confidences, because this pair has "
+            "no calibration (run mlx_dspark.calibrate)."
+        )
+    curve = get_profile(model, drafter, profile, progress=progress)
+    block = drafter.block_size if num_draft is None else num_draft
+    guard = MemoryGuard.from_settings(settings, block, memory_source)
+    policy = SchedulerPolicy(temperatures, telemetry, curve, settings, guard)
+    return ResolvedPolicy(policy, "auto", note, cal_path)

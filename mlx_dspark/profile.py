@@ -1,0 +1,225 @@
+"""Cost profile for the scheduler: target step rate and drafter cost per block.
+
+The profile is measured once per (backend/device, target, quantization,
+drafter, mlx version) and cached as JSON in the user cache; ``refresh``
+re-measures. Identities are fingerprints of the models (config, tensor names,
+shapes, dtypes and a few weight values), so a profile is never reused for a
+different model, and no file path is needed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from .drafter import DSparkDrafter
+from .errors import DSparkError
+from .sampling import SamplingParams
+from .scheduler import StepRateCurve
+from .structured import cache_dir
+from .target import TargetAdapter
+
+PROFILE_VERSION = 1
+DEFAULT_CONTEXTS = (64, 256)
+
+
+def _digest(parts: list) -> str:
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
+
+
+def model_fingerprint(model: nn.Module, config: dict | None = None) -> str:
+    """Identity of a model: config, tensor layout and a sample of its values."""
+    params = tree_flatten(model.parameters())
+    layout = [(name, tuple(v.shape), str(v.dtype)) for name, v in params]
+    samples = []
+    for _, value in params[:: max(1, len(params) // 8)][:8]:
+        head = value.reshape(-1)[:32].astype(mx.float32)
+        samples.append(np.round(np.array(head), 5).tolist())
+    return _digest([config or {}, layout, samples])
+
+
+def quantization_of(model: nn.Module) -> str:
+    """``"bits/group_size"`` of a quantized model, ``"none"`` otherwise."""
+    for _, module in model.named_modules():
+        bits = getattr(module, "bits", None)
+        if bits is not None and hasattr(module, "group_size"):
+            return f"{bits}/{module.group_size}"
+    return "none"
+
+
+def _target_config(model: nn.Module) -> dict:
+    args = getattr(model, "args", None)
+    if args is None:
+        return {}
+    try:
+        from dataclasses import asdict
+
+        return asdict(args)
+    except TypeError:
+        return dict(vars(args))
+
+
+def device_identity() -> str:
+    from .machine import backend
+
+    device = mx.default_device()
+    name = ""
+    try:
+        name = str(mx.device_info().get("device_name", ""))
+    except Exception:
+        pass
+    return f"{backend()}:{device}:{name}"
+
+
+def profile_key(model: nn.Module, drafter: DSparkDrafter) -> dict:
+    """Everything a cached profile must match."""
+    return {
+        "version": PROFILE_VERSION,
+        "device": device_identity(),
+        "target": model_fingerprint(model, _target_config(model)),
+        "quantization": quantization_of(model),
+        "drafter": model_fingerprint(drafter, drafter.config.to_dict()),
+        "mlx": mx.__version__,
+    }
+
+
+def profile_path(key: dict) -> Path:
+    return cache_dir() / "profiles" / f"{_digest([key])}.json"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary file beside ``path`` and rename it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        tic = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - tic)
+    return float(np.median(times))
+
+
+def measure_profile(
+    target: TargetAdapter,
+    drafter: DSparkDrafter,
+    n_max: int | None = None,
+    contexts: tuple[int, ...] = DEFAULT_CONTEXTS,
+    repeats: int = 3,
+    progress: bool = True,
+) -> StepRateCurve:
+    """Seconds per target forward at 1..n_max+1 query tokens and per drafter
+    block, at each context length; the curve averages over the contexts."""
+    from rich.progress import Progress
+
+    n_max = drafter.block_size if n_max is None else n_max
+    sizes = list(range(1, n_max + 2))
+    vocab = target.vocab_size
+    rng = np.random.default_rng(0)
+    per_context: dict[int, dict[int, float]] = {}
+    draft_times: dict[int, float] = {}
+    total = len(contexts) * (len(sizes) + 1)
+    with Progress(transient=True, disable=not progress) as bar:
+        task = bar.add_task("Profiling target and drafter", total=total)
+        for context in contexts:
+            prompt = mx.array(rng.integers(0, vocab - 1, context))
+            cache = target.make_cache()
+            logits, features = target(prompt[None], cache)
+            mx.eval(logits, features)
+            timings = {}
+            for size in sizes:
+                tokens = mx.array(rng.integers(0, vocab - 1, (1, size)))
+
+                def forward(tokens=tokens, size=size, cache=cache):
+                    out = target(tokens, cache)
+                    mx.eval(out)
+                    target.rollback(cache, size)
+
+                forward()  # warm-up
+                timings[size] = _median_time(forward, repeats)
+                bar.advance(task)
+            per_context[context] = timings
+            anchor = mx.array([int(prompt[-1].item())])
+            block = drafter.block_tokens(anchor)
+
+            def draft(features=features, block=block, anchor=anchor, context=context):
+                draft_cache = drafter.make_cache()
+                hidden = drafter(block, context, features, draft_cache)
+                proposal = drafter.propose(
+                    hidden, anchor, drafter.block_size, SamplingParams(), None
+                )
+                mx.eval(proposal.tokens, proposal.logits, proposal.confidence)
+
+            draft()
+            draft_times[context] = _median_time(draft, repeats)
+            bar.advance(task)
+    seconds = {
+        size: float(np.mean([per_context[c][size] for c in contexts])) for size in sizes
+    }
+    meta = {
+        "contexts": list(contexts),
+        "step_seconds_by_context": {
+            str(c): {str(s): t for s, t in v.items()} for c, v in per_context.items()
+        },
+        "draft_seconds_by_context": {str(c): t for c, t in draft_times.items()},
+    }
+    return StepRateCurve.from_measurements(
+        seconds, float(np.mean(list(draft_times.values()))), meta
+    )
+
+
+def load_profile(model: nn.Module, drafter: DSparkDrafter) -> StepRateCurve | None:
+    """The cached profile for this pair on this machine, or None."""
+    key = profile_key(model, drafter)
+    path = profile_path(key)
+    if not path.is_file():
+        return None
+    try:
+        curve = StepRateCurve.load(path)
+    except DSparkError:
+        return None
+    return curve if curve.meta.get("key") == key else None
+
+
+def get_profile(
+    model: nn.Module,
+    drafter: DSparkDrafter,
+    profile: str = "auto",
+    progress: bool = True,
+    **measure_kwargs,
+) -> StepRateCurve:
+    """``"auto"``: the cached profile, measured and cached when missing;
+    ``"refresh"``: always re-measure (and cache)."""
+    if profile not in ("auto", "refresh"):
+        raise DSparkError(f"profile must be 'auto' or 'refresh', got {profile!r}.")
+    if profile == "auto":
+        cached = load_profile(model, drafter)
+        if cached is not None:
+            return cached
+    key = profile_key(model, drafter)
+    target = TargetAdapter(model, drafter.config.target_layer_ids)
+    curve = measure_profile(target, drafter, progress=progress, **measure_kwargs)
+    curve.meta["key"] = key
+    try:
+        write_atomic(profile_path(key), curve.to_json())
+    except OSError:
+        pass  # an unwritable cache only costs a re-measurement next time
+    return curve

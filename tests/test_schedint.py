@@ -1,0 +1,435 @@
+"""The scheduler wired into the generation loop: lossless (greedy identity and an
+exact sampling test that a future-peeking scheduler fails), calibration CLI,
+cost profile cache, memory guard inside a generation, batched verification."""
+
+import importlib.util
+import json
+import math
+import shutil
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+
+from mlx_dspark import stream_generate
+from mlx_dspark.calibrate import (
+    CALIBRATION_FILE,
+    cached_calibration_path,
+    default_output,
+    find_calibration,
+)
+from mlx_dspark.loading import load, load_drafter
+from mlx_dspark.loop import ChainMode, ThresholdPolicy, speculative_generate_step
+from mlx_dspark.memory import MemoryGuard, PressureLevel
+from mlx_dspark.policies import SchedulerPolicy, resolve_policy, verify_batch
+from mlx_dspark.profile import get_profile, load_profile, profile_key, profile_path
+from mlx_dspark.sampling import SamplingParams, log_probs
+from mlx_dspark.scheduler import SchedulerSettings, StepRateCurve, schedule
+from mlx_dspark.target import TargetAdapter
+from mlx_dspark.telemetry import render_prometheus
+
+PROMPTS = [[1, 2, 3], [20, 4, 11, 9], [13, 5, 5, 21, 2, 17]]
+NO_WARMUP = SchedulerSettings(warmup_steps=0, n_draft_min=0)
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path / "cache"))
+    for name in (
+        "DSPARK_SCHEDULER_ENABLED",
+        "DSPARK_CONFIDENCE_THRESHOLD",
+        "DSPARK_N_DRAFT_MIN",
+        "DSPARK_N_DRAFT_MAX",
+        "DSPARK_SCHEDULER_INTERVAL_MS",
+        "DSPARK_WARMUP_STEPS",
+    ):
+        monkeypatch.delenv(name, raising=False)
+
+
+def target_greedy(model, prompt, max_tokens):
+    return [
+        int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)
+    ]
+
+
+def run(target, drafter, prompt, policy, max_tokens, params=SamplingParams(), seed=0):
+    return [
+        t
+        for t, _ in speculative_generate_step(
+            mx.array(prompt),
+            target,
+            drafter,
+            params=params,
+            max_tokens=max_tokens,
+            policy=policy,
+            seed=seed,
+        )
+    ]
+
+
+def test_greedy_identical_with_scheduler(pair_factory):
+    model, tokenizer, drafter, *_ = pair_factory(block_size=8)
+    target = TargetAdapter(model, drafter.config.target_layer_ids)
+    curves = [
+        StepRateCurve.linear(1.0, 0.02),
+        StepRateCurve.linear(1.0, 0.3),
+        StepRateCurve.linear(0.1, 1.0, draft_seconds=0.5),
+    ]
+    lengths = set()
+    for prompt in PROMPTS:
+        expected = target_greedy(model, prompt, 48)
+        for curve in curves:
+            for temps in (None, [3.0] * 8):
+                policy = SchedulerPolicy(temps, curve=curve, settings=NO_WARMUP)
+                assert run(target, drafter, prompt, policy, 48) == expected
+                lengths |= {r.admitted for r in policy.telemetry.recent}
+    assert len(lengths) >= 3, lengths  # the scheduler really chose lengths
+    # Through the public API, measuring and caching a profile on the way.
+    responses = list(
+        stream_generate(
+            model, tokenizer, drafter, PROMPTS[0], max_tokens=48, scheduler="auto"
+        )
+    )
+    assert [r.token for r in responses] == target_greedy(model, PROMPTS[0], 48)
+    tele = responses[-1].telemetry
+    assert tele.n_rounds == len(responses[-1].stats.rounds)
+    text = render_prometheus(tele)
+    for name in (
+        "dspark_scheduler_n_current",
+        "dspark_draft_acceptance_rate",
+        "dspark_confidence_head_ece",
+        "dspark_draft_length_tokens_bucket",
+    ):
+        assert name in text
+
+
+# --- exact sampling ---------------------------------------------------------
+
+CHI2_Z = 3.09  # one-sided normal quantile for p = 0.001
+
+
+def chi2_critical(df: int, z: float = CHI2_Z) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+class FuturePeekingScheduler:
+    """WRONG on purpose: admits draft k only if the confidence of position k+1
+    is high. That confidence reads x_k, the very draft being tested, so the
+    verify/bonus split at k is correlated with x_k and the output is biased."""
+
+    def draft_length(self, proposal, cap):
+        z = np.array(proposal.confidence[0, :cap])
+        n = 0
+        while n < cap - 1 and z[n + 1] > 0.0:
+            n += 1
+        return n
+
+
+def exact_joint(model, prompt, params, depth=3):
+    def dist(prefix):
+        logits = model(mx.array([prompt + prefix]))[0, -1]
+        return np.exp(np.array(log_probs(logits, params), dtype=np.float64))
+
+    joint = {(): 1.0}
+    for _ in range(depth):
+        grown = {}
+        for prefix, mass in joint.items():
+            p = dist(list(prefix))
+            for token in np.flatnonzero(p > 1e-12):
+                grown[(*prefix, int(token))] = mass * p[token]
+        joint = grown
+    return joint
+
+
+def chi2(counts, exact, n):
+    assert set(counts) <= set(exact), "a sequence the target cannot produce"
+    return sum((counts.get(k, 0) - n * p) ** 2 / (n * p) for k, p in exact.items())
+
+
+def first_tokens(target, drafter, prompt, make_policy, params, seeds, depth=3):
+    counts = {}
+    for seed in range(seeds):
+        tokens = []
+        for token, _ in speculative_generate_step(
+            mx.array(prompt),
+            target,
+            drafter,
+            params=params,
+            max_tokens=depth + 2,
+            policy=make_policy(),
+            seed=seed,
+        ):
+            tokens.append(token)
+            if len(tokens) == depth:
+                break
+        counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
+    return counts
+
+
+def test_sampling_exact_with_scheduler_and_peeking_scheduler_fails(pair_factory):
+    *_, target_dir, drafter_dir, spec = pair_factory(
+        block_size=4, sharpness=0.5, seed=3
+    )
+    model, _, drafter = load(target_dir, drafter_dir)
+    # Make the confidence of position k depend strongly on x_{k-1} (W1 rows are
+    # one-hot codes here): +4 after even tokens, -4 after odd ones.
+    d = spec.hidden_size
+    weight = np.zeros((1, d + spec.code_dims), np.float32)
+    weight[0, d:] = np.where(np.arange(spec.code_dims) % 2 == 0, 4.0, -4.0)
+    drafter.confidence_head.proj.weight = mx.array(weight)
+    drafter.confidence_head.proj.bias = mx.zeros((1,))
+    # A softer sequential head and a high temperature make drafts random.
+    head = drafter.markov_head
+    head.markov_w2.weight = head.markov_w2.weight * 0.3
+    target = TargetAdapter(model, drafter.config.target_layer_ids)
+    params = SamplingParams(temperature=4.0, top_k=2)
+    prompt = [1, 2, 3]
+    exact = exact_joint(model, prompt, params)
+    critical = chi2_critical(len(exact) - 1)
+
+    curve = StepRateCurve.linear(1.0, 0.3)
+    made = []
+
+    def real():
+        made.append(SchedulerPolicy(None, curve=curve, settings=NO_WARMUP))
+        return made[-1]
+
+    n = 2000
+    counts = first_tokens(target, drafter, prompt, real, params, n)
+    stat = chi2(counts, exact, n)
+    assert stat < critical, (stat, critical, counts)
+    admitted = {r.admitted for p in made for r in p.telemetry.recent}
+    assert len(admitted) >= 3, admitted  # the scheduler made real decisions
+
+    n_bad = 1000
+    bad = first_tokens(target, drafter, prompt, FuturePeekingScheduler, params, n_bad)
+    stat_bad = chi2(bad, exact, n_bad)
+    assert stat_bad > critical, (stat_bad, critical, bad)
+
+
+# --- batched verification -----------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_verify_batch_equals_single(pair_factory, temperature):
+    model, _, drafter, *_ = pair_factory(block_size=8)
+    target = TargetAdapter(model, drafter.config.target_layer_ids)
+    params = SamplingParams(temperature=temperature)
+    prompts = [[1, 2, 3], [20, 4, 11, 9, 7, 7, 1], [5]]
+    lengths = [5, 0, 8]
+    caches_single, caches_batch, anchors, proposals = [], [], [], []
+    for r, prompt in enumerate(prompts):
+        single, batch = target.make_cache(), target.make_cache()
+        for cache in (single, batch):
+            logits, features = target(mx.array([prompt]), cache)
+        anchor = int(mx.argmax(logits[0, -1]).item())
+        draft_cache = drafter.make_cache()
+        hidden = drafter(
+            drafter.block_tokens(mx.array([anchor])), len(prompt), features, draft_cache
+        )
+        proposal = drafter.propose(
+            hidden, mx.array([anchor]), 8, params, mx.random.key(r)
+        )
+        caches_single.append(single)
+        caches_batch.append(batch)
+        anchors.append(anchor)
+        proposals.append(proposal)
+    singles = [
+        ChainMode().verify(target, c, a, p, n, params, np.random.default_rng(r))
+        for r, (c, a, p, n) in enumerate(
+            zip(caches_single, anchors, proposals, lengths, strict=True)
+        )
+    ]
+    batched = verify_batch(
+        target,
+        caches_batch,
+        anchors,
+        proposals,
+        lengths,
+        params,
+        [np.random.default_rng(r) for r in range(len(prompts))],
+    )
+    for (v1, d1, f1), (v2, d2, f2), c1, c2 in zip(
+        singles, batched, caches_single, caches_batch, strict=True
+    ):
+        assert (v1.accepted, v1.next_token) == (v2.accepted, v2.next_token)
+        assert d1 == d2
+        assert mx.allclose(f1, f2, atol=1e-4).item()
+        for l1, l2 in zip(c1, c2, strict=True):
+            assert l1.offset == l2.offset
+            k1 = l1.state[0][..., : l1.offset, :]
+            k2 = l2.state[0][..., : l2.offset, :]
+            assert mx.allclose(k1, k2, atol=1e-4).item()
+    assert any(v.accepted > 0 for v, _, _ in singles)
+    # Batched scheduling: one Algorithm 1 call over all requests.
+    policy = SchedulerPolicy(
+        None, curve=StepRateCurve.linear(1.0, 0.1), settings=NO_WARMUP
+    )
+    got = policy.draft_lengths(proposals, [8, 8, 8])
+    want = schedule([policy.survival(p, 8) for p in proposals], policy.curve, [8, 8, 8])
+    assert got == want
+
+
+# --- memory guard ---------------------------------------------------------------
+
+
+class FakeSource:
+    def __init__(self, levels):
+        self.levels, self.calls = list(levels), 0
+
+    def __call__(self):
+        level = self.levels[min(self.calls, len(self.levels) - 1)]
+        self.calls += 1
+        if isinstance(level, Exception):
+            raise level
+        return level
+
+
+def test_memory_guard_moves_caps_inside_generation(pair_factory):
+    model, _, drafter, *_ = pair_factory(block_size=8)
+    target = TargetAdapter(model, drafter.config.target_layer_ids)
+    N, W, C = PressureLevel.NORMAL, PressureLevel.WARNING, PressureLevel.CRITICAL
+    source = FakeSource([N, W, C, RuntimeError("sysctl failed"), W, N, N, N] * 4)
+    logs = []
+    settings = SchedulerSettings(warmup_steps=100, n_draft_min=1, interval_ms=1e-6)
+    guard = MemoryGuard(
+        source,
+        n_min=1,
+        n_max=8,
+        interval_ms=1e-6,
+        log=logs.append,
+        clear_cache=lambda: None,
+    )
+    policy = SchedulerPolicy(
+        None, curve=StepRateCurve.linear(1.0, 0.1), settings=settings, guard=guard
+    )
+    tokens = run(target, drafter, PROMPTS[0], policy, 64)
+    assert tokens == target_greedy(model, PROMPTS[0], 64)
+    caps = [r.cap for r in policy.telemetry.recent]
+    # warm-up verifies the whole cap, so admitted == cap follows the guard
+    assert caps[:6] == [8, 4, 1, 8, 4, 8], caps
+    assert len(logs) == 1 and "critical memory pressure" in logs[0]
+
+
+# --- calibration CLI, profile cache, policy resolution ---------------------------
+
+
+def _private_pair(pair_factory, tmp_path, **fields):
+    *_, target_dir, drafter_dir, spec = pair_factory(**fields)
+    shutil.copytree(target_dir, tmp_path / "target")
+    shutil.copytree(drafter_dir, tmp_path / "drafter")
+    return tmp_path / "target", tmp_path / "drafter"
+
+
+def test_calibrate_cli_end_to_end(pair_factory, tmp_path, capsys):
+    target_dir, drafter_dir = _private_pair(pair_factory, tmp_path, block_size=8)
+    model, tokenizer, drafter = load(target_dir, drafter_dir)
+    # Without a calibration or a profile: threshold/off with a note.
+    resolved = resolve_policy(model, drafter, None, 0.0)
+    assert resolved.mode == "off" and "no calibration" in resolved.note
+    assert resolve_policy(model, drafter, None, 0.5).mode == "threshold"
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("t1 t2 t3\nt20 t4 t11 t9\nt13 t5 t5 t21 t2 t17\n")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlx_dspark.calibrate",
+            "--model",
+            str(target_dir),
+            "--draft-model",
+            str(drafter_dir),
+            "--prompts",
+            str(prompts),
+            "--rounds",
+            "80",
+            "--max-tokens",
+            "48",
+            "--temp",
+            "1.0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "ECE raw" in proc.stdout and "AUC STS" in proc.stdout
+    written = drafter_dir / CALIBRATION_FILE
+    data = json.loads(written.read_text())
+    assert len(data["temperatures"]) == 8
+    has_plot = importlib.util.find_spec("matplotlib") is not None
+    assert (written.with_suffix(".png")).exists() == has_plot
+
+    model, tokenizer, drafter = load(target_dir, drafter_dir)
+    found = find_calibration(model, drafter)
+    assert found is not None and found[1] == written
+    # A calibration alone is not enough for the default; with a profile it is auto.
+    assert resolve_policy(model, drafter, None, 0.0).mode == "off"
+    get_profile(model, drafter, contexts=(16,), repeats=1, progress=False)
+    resolved = resolve_policy(model, drafter, None, 0.0)
+    assert resolved.mode == "auto" and resolved.note is None
+    assert resolved.policy.temperatures == data["temperatures"]
+
+    # Unwritable / unknown drafter directory: the user cache, keyed by the pair.
+    drafter.source_path = tmp_path / "missing"
+    assert default_output(model, drafter) == cached_calibration_path(model, drafter)
+
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlx_dspark.generate",
+            "--model",
+            str(target_dir),
+            "--draft-model",
+            str(drafter_dir),
+            "--dspark-scheduler",
+            "sometimes",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 1
+    last = bad.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: scheduler must be") and "Traceback" not in bad.stderr
+
+
+def test_profile_cache(pair_factory, tmp_path):
+    model, _, drafter, *_ = pair_factory(block_size=8)
+    assert load_profile(model, drafter) is None
+    curve = get_profile(model, drafter, contexts=(16, 32), repeats=1, progress=False)
+    assert curve.batch_sizes == list(range(1, 10))
+    assert curve.draft_seconds > 0 and all(s > 0 for s in curve.steps_per_second)
+    key = profile_key(model, drafter)
+    assert set(key) >= {"device", "target", "quantization", "drafter", "mlx"}
+    assert profile_path(key).is_file()
+    again = get_profile(model, drafter, contexts=(16,), repeats=1, progress=False)
+    assert again.steps_per_second == curve.steps_per_second  # cached, not measured
+    fresh = get_profile(
+        model, drafter, "refresh", contexts=(16,), repeats=1, progress=False
+    )
+    assert fresh.meta["contexts"] == [16]
+    assert load_profile(model, drafter).meta["contexts"] == [16]
+    # A different drafter is a different key.
+    other = load_drafter(pair_factory(block_size=8)[4], model)
+    other.fc.weight = other.fc.weight * 1.5
+    assert profile_key(model, other)["drafter"] != key["drafter"]
+    assert load_profile(model, other) is None
+
+
+def test_default_scheduler_note_on_stderr(pair_factory, capsys):
+    model, tokenizer, drafter, *_ = pair_factory(block_size=8)
+    responses = list(stream_generate(model, tokenizer, drafter, [1, 2], max_tokens=8))
+    err = capsys.readouterr().err
+    assert "[dspark] scheduler: off" in err and err.count("\n") == 1
+    assert responses[-1].telemetry.n_rounds == len(responses[-1].stats.rounds)
+    with pytest.raises(Exception, match="scheduler must be"):
+        list(stream_generate(model, tokenizer, drafter, [1], scheduler="on"))
+    policy = ThresholdPolicy()
+    assert policy.draft_length  # the plain policy still works without hooks

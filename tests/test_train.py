@@ -1,0 +1,331 @@
+"""mlx_dspark.train: the training forward, learning, exact resume, data handling."""
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_sampler
+
+from mlx_dspark import load, stream_generate
+from mlx_dspark.config import DraftConfig
+from mlx_dspark.data import load_sequences, regenerate
+from mlx_dspark.errors import DSparkError
+from mlx_dspark.structured import PairSpec, build_structured_pair
+from mlx_dspark.target import TargetAdapter
+from mlx_dspark.train import (
+    TrainArgs,
+    default_layer_ids,
+    new_drafter,
+    train,
+    training_hidden,
+)
+
+PROMPTS = [[1, 2, 3], [7, 8], [20, 4, 11, 9], [0], [13, 5, 5, 21, 2, 17]]
+
+
+def word(token: int) -> str:
+    return "</s>" if token == 30 else f"t{token}"
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A structured target and target-sampled training text (JSONL)."""
+    root = tmp_path_factory.mktemp("train")
+    target_dir, _ = build_structured_pair(root / "pair", PairSpec())
+    model, tokenizer, _ = load(target_dir)
+    rng = np.random.default_rng(0)
+    lines = []
+    for i in range(24):
+        prompt = rng.integers(0, 30, size=3).tolist()
+        mx.random.seed(i)
+        sampled = generate_step(
+            mx.array(prompt), model, max_tokens=60, sampler=make_sampler(0.7)
+        )
+        tokens = [*prompt, *(int(t) for t, _ in sampled)]
+        lines.append(json.dumps({"text": " ".join(map(word, tokens))}))
+    data = root / "data.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    return root, target_dir, model, tokenizer, data
+
+
+def base_args(setup, out, **changes) -> TrainArgs:
+    root, target_dir, _, _, data = setup
+    args = TrainArgs(
+        model=str(target_dir),
+        data=[str(data)],
+        out=str(root / out),
+        steps=40,
+        batch_size=4,
+        anchors=16,
+        seq_len=64,
+        layers=1,
+        markov_rank=16,
+        lr=3e-3,
+        dtype="float32",
+        quiet=True,
+        log_every=5,
+    )
+    return replace(args, **changes)
+
+
+def mean_accepted_length(model, tokenizer, drafter) -> float:
+    rounds = []
+    for prompt in PROMPTS:
+        responses = list(
+            stream_generate(model, tokenizer, drafter, prompt, max_tokens=48)
+        )
+        rounds.extend(responses[-1].stats.rounds)
+    return float(np.mean([r.accepted + 1 for r in rounds]))
+
+
+def test_default_layer_ids():
+    assert default_layer_ids(36) == [1, 9, 17, 25, 33]
+    assert default_layer_ids(2) == [0]
+    assert all(0 <= i <= 28 for i in default_layer_ids(30))
+
+
+def test_training_forward_equals_inference_forward(setup):
+    _, _, model, _, _ = setup
+    for head in ("vanilla", "rnn"):
+        config = DraftConfig.from_dict(
+            {
+                "architectures": ["Qwen3DSparkModel"],
+                "hidden_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "intermediate_size": 96,
+                "vocab_size": 32,
+                "block_size": 5,
+                "mask_token_id": 31,
+                "target_layer_ids": [-1, 0],
+                "markov_rank": 8,
+                "markov_head_type": head,
+                "enable_confidence_head": True,
+                "confidence_head_with_markov": True,
+                "rope_theta": 10000.0,
+            }
+        )
+        target = TargetAdapter(model, config.target_layer_ids)
+        drafter = new_drafter(config, target, seed=1)
+        tokens = mx.array([[3, 5, 7, 9, 11, 13, 2, 4, 6, 8, 10, 12], [1] * 12])
+        _, features = target.hidden(tokens, target.make_cache())
+        anchors = mx.array([[0, 1, 4, 10], [2, 3, 5, 6]])
+        blocks = mx.stack(
+            [drafter.block_tokens(mx.take(tokens[n], anchors[n])) for n in range(2)]
+        )
+        hidden = training_hidden(drafter, features, anchors, blocks)
+        for n in range(2):
+            for a, anchor in enumerate(anchors[n].tolist()):
+                context = features[n : n + 1, :anchor] if anchor else None
+                expected = drafter(
+                    blocks[n : n + 1, a], anchor, context, drafter.make_cache()
+                )
+                assert mx.allclose(hidden[n * 4 + a], expected[0], atol=1e-5), (
+                    head,
+                    n,
+                    anchor,
+                )
+
+
+def test_training_learns_and_output_is_lossless(setup):
+    _, target_dir, model, tokenizer, _ = setup
+    result = train(base_args(setup, "vanilla"))
+    assert result.status == "done"
+    first, last = result.history[0], result.history[-1]
+    assert last[1] < 0.8 * first[1], (first, last)  # total loss
+    assert last[5] > first[5]  # running acceptance estimate
+
+    out = result.out
+    names = set(mx.load(str(out / "model.safetensors")))
+    assert "fc.weight" in names and "markov_head.markov_w1.weight" in names
+    assert "embed_tokens.weight" not in names
+    record = json.loads((out / "training_record.json").read_text())
+    assert record["data"][0]["sha256"] and record["steps"] == 40
+    assert record["final_metrics"]["tau"] > 1.0
+
+    model2, tokenizer2, drafter = load(target_dir, out)
+    config = drafter.config
+    untrained = new_drafter(config, TargetAdapter(model, config.target_layer_ids), 0)
+    before = mean_accepted_length(model, tokenizer, untrained)
+    after = mean_accepted_length(model2, tokenizer2, drafter)
+    assert after > before + 0.4, (before, after)
+    for prompt in PROMPTS:
+        expected = [
+            int(t) for t, _ in generate_step(mx.array(prompt), model2, max_tokens=40)
+        ]
+        got = [
+            r.token
+            for r in stream_generate(model2, tokenizer2, drafter, prompt, max_tokens=40)
+        ]
+        assert got == expected
+
+
+@pytest.mark.parametrize("head", ["gated", "none"])
+def test_other_heads_train_and_load(setup, head):
+    _, target_dir, model, tokenizer, _ = setup
+    result = train(
+        base_args(
+            setup,
+            f"head-{head}",
+            markov_head=head,
+            steps=6,
+            with_embeddings=True,
+            confidence=head != "none",
+            dtype="bfloat16",
+            quantize_bits=4 if head == "gated" else None,
+        )
+    )
+    config = json.loads((result.out / "config.json").read_text())
+    if head == "gated":
+        assert config["quantization"] == {"group_size": 64, "bits": 4}
+        assert "layers.0.mlp.up_proj.scales" in mx.load(
+            str(result.out / "model.safetensors")
+        )
+    names = set(mx.load(str(result.out / "model.safetensors")))
+    assert {"embed_tokens.weight", "lm_head.weight"} <= names
+    _, _, drafter = load(target_dir, result.out)
+    assert drafter.shares_embeddings
+    assert (drafter.markov_head is None) == (head == "none")
+    assert (drafter.confidence_head is None) == (head == "none")
+    prompt = PROMPTS[2]
+    expected = [
+        int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=24)
+    ]
+    got = [
+        r.token
+        for r in stream_generate(model, tokenizer, drafter, prompt, max_tokens=24)
+    ]
+    assert got == expected
+
+
+def _checkpoint_weights(result):
+    return mx.load(str(result.checkpoint / "drafter.safetensors"))
+
+
+def test_resume_equals_uninterrupted(setup):
+    whole = train(base_args(setup, "whole", steps=10, checkpoint_every=4))
+    parts = base_args(setup, "parts", steps=10, checkpoint_every=4)
+    stopped = train(parts, should_stop=lambda step: step == 7)
+    assert stopped.status == "interrupted" and stopped.step == 7
+    assert stopped.out is None and not Path(parts.out).exists()
+    with pytest.raises(DSparkError, match="--resume"):
+        train(parts)
+    resumed = train(replace(parts, resume=True))
+    assert resumed.status == "done" and resumed.step == 10
+    a, b = _checkpoint_weights(whole), _checkpoint_weights(resumed)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert mx.array_equal(a[name], b[name]).item(), name
+    assert whole.history == resumed.history
+    out_a = mx.load(str(whole.out / "model.safetensors"))
+    out_b = mx.load(str(resumed.out / "model.safetensors"))
+    assert all(mx.array_equal(out_a[k], out_b[k]).item() for k in out_a)
+    with pytest.raises(DSparkError, match="differ"):
+        train(replace(parts, resume=True, lr=1e-3, force=True))
+
+
+def test_feature_cache_multi_epoch(setup, tmp_path):
+    args = base_args(
+        setup, "cached", steps=None, epochs=2, cache_features=str(tmp_path)
+    )
+    result = train(args)
+    files = list(tmp_path.rglob("*.safetensors"))
+    assert len(files) == 24
+    assert result.step == 12
+    assert result.history[-1][1] < result.history[0][1]
+
+
+def test_bad_data(setup, tmp_path):
+    _, _, _, tokenizer, data = setup
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(DSparkError, match="no usable training sequences"):
+        load_sequences([empty], tokenizer, 64)
+    with pytest.raises(DSparkError, match="does not exist"):
+        load_sequences([tmp_path / "missing.jsonl"], tokenizer, 64)
+    mixed = tmp_path / "mixed.jsonl"
+    long_text = " ".join(f"t{i % 30}" for i in range(100))
+    mixed.write_text(
+        "\n".join(
+            [
+                json.dumps({"text": "t1 t2 t3 t4 t5"}),
+                "{not json",
+                json.dumps({"unknown": 1}),
+                json.dumps({"text": long_text}),
+                json.dumps({"prompt": "t1 t2", "completion": "t3 t4 t5"}),
+                json.dumps({"tokens": [1, 2, 3, 4], "loss_start": 2}),
+                json.dumps({"text": "t1"}),
+            ]
+        )
+    )
+    sequences, report = load_sequences([mixed, empty], tokenizer, 64)
+    assert len(sequences) == 3
+    assert report.invalid_lines == 1
+    assert report.unknown_records == 1
+    assert report.too_long == 1
+    assert report.too_short == 1
+    assert report.empty_files == [str(empty)]
+    summary = report.summary()
+    assert "1 invalid JSONL lines" in summary and "1 empty files" in summary
+    prompt_completion = sequences[1]
+    assert prompt_completion.loss_mask.tolist() == [
+        False,
+        False,
+        True,
+        True,
+        True,
+        True,
+    ]
+
+    plain = tmp_path / "plain.txt"
+    plain.write_text(long_text)
+    chunks, _ = load_sequences([plain], tokenizer, 64)
+    assert [len(c) for c in chunks] == [64, 36]
+
+    # The command line: one sentence, non-zero exit, no traceback.
+    root, target_dir, *_ = setup
+    env = dict(os.environ)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlx_dspark.train", "--model", str(target_dir),
+         "--data", str(empty), "--out", str(tmp_path / "o"), "--steps", "2", "--quiet"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_regenerate_is_resumable(setup, tmp_path):
+    _, _, model, tokenizer, data = setup
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "\n".join(json.dumps({"prompt": f"t{i} t{i + 1}"}) for i in range(5)) + "\n"
+    )
+    out = tmp_path / "regen.jsonl"
+    kwargs = dict(seq_len=64, max_tokens=12, batch_size=2, temperature=0.0)
+    path, report = regenerate([prompts], model, tokenizer, out, **kwargs)
+    lines = out.read_text().splitlines()
+    assert len(lines) == 5
+    first = json.loads(lines[0])
+    assert first["loss_start"] == 2 and len(first["tokens"]) >= 3
+    expected = [
+        int(t) for t, _ in generate_step(mx.array([1, 2]), model, max_tokens=12)
+    ]
+    if 30 in expected:
+        expected = expected[: expected.index(30) + 1]
+    assert json.loads(lines[1])["tokens"] == [1, 2, *expected]
+    # Interrupted mid-way (a truncated last line): the rerun keeps the complete lines.
+    out.write_text("\n".join(lines[:3]) + "\n" + lines[3][:10])
+    regenerate([prompts], model, tokenizer, out, **kwargs)
+    assert out.read_text().splitlines() == lines
+    sequences, _ = load_sequences([out], tokenizer, 64)
+    assert len(sequences) == 5
