@@ -563,6 +563,7 @@ def measure(
     """Run every variant on every prompt, ``trials`` times, interleaved."""
     results = [Measurement(v) for v in variants]
     for m in results:  # warm up: compilation, allocation, caches
+        progress(f"warming up: {m.variant.name}")
         m.variant.run(pair, prompts[0], min(max_tokens, 8))
     for trial in range(trials):
         for m in results:
@@ -1200,14 +1201,19 @@ def _main(argv: list[str] | None = None) -> int:
 
     err.print("measuring the machine (BLAS, bandwidth) ...", highlight=False)
     machine = machine_report(pair.model)
-    with err.status("benchmarking") as status:
+    if err.is_terminal:
+        with err.status("benchmarking") as status:
+            results = measure(
+                pair, variants, prompts, args.max_tokens, args.trials, status.update
+            )
+    else:
         results = measure(
             pair,
             variants,
             prompts,
             args.max_tokens,
             args.trials,
-            progress=lambda message: status.update(message),
+            lambda message: print(message, file=sys.stderr, flush=True),
         )
     report = {
         "schema": SCHEMA_VERSION,
