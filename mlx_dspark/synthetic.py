@@ -131,6 +131,21 @@ def prepare(model: nn.Module, drafter: nn.Module, bits: int) -> None:
     mx.eval(model.parameters(), drafter.parameters())
 
 
+def boost_markov_head(drafter: nn.Module) -> None:
+    """Scale the Markov head so that it outweighs the base logits at width d.
+
+    The structured drafter's base logits grow like d and its Markov bias like
+    sqrt(d); they balance at d = 64 (the tiny pairs). Past that the base logits
+    (the anchor's successor at every position) win from position 2 on and
+    every chain breaks after one draft, so the bias is scaled by sqrt(d) / 8.
+    """
+    head = drafter.markov_head
+    d = drafter.config.hidden_size
+    factor = max(1.0, d**0.5 / 8)
+    head.markov_w2.weight = head.markov_w2.weight * factor
+    mx.eval(head.markov_w2.weight)
+
+
 def load_synthetic(size: str, bits: int = 4, accept: str = "chat"):
     """``(model, tokenizer, drafter)`` for a synthetic pair, ready to run."""
     from .loading import load
@@ -142,5 +157,6 @@ def load_synthetic(size: str, bits: int = 4, accept: str = "chat"):
     target_dir, drafter_dir = synthetic_pair(size)
     model, tokenizer, drafter = load(target_dir, drafter_dir)
     rescale_perturbation(model, BASE_PERTURBATION, PERTURBATION[(size, accept)])
+    boost_markov_head(drafter)
     prepare(model, drafter, bits)
     return model, tokenizer, drafter
