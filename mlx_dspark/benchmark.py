@@ -689,7 +689,7 @@ def render(report: dict, console) -> None:
         ("mean acc. len", "right"),
         ("acceptance by position", "left"),
         ("draft / verify s", "right"),
-        ("peak GB", "right"),
+        ("peak MB", "right"),
         ("lossless", "center"),
     ]:
         table.add_column(name, justify=justify, no_wrap=True)
@@ -708,7 +708,7 @@ def render(report: dict, console) -> None:
             f"{r['mean_accepted_length']:.2f}",
             " ".join(f"{a:.2f}" for a in r["acceptance_by_position"]) or "-",
             times,
-            f"{r['peak_memory_gb']:.2f}",
+            f"{r['peak_memory_gb'] * 1000:.0f}",
             lossless,
         )
     console.print(table)
@@ -733,7 +733,7 @@ def render(report: dict, console) -> None:
             "model; speed and acceptance only."
         )
     for line in lines:
-        console.print(line, highlight=False, soft_wrap=True)
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:

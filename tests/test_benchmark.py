@@ -137,7 +137,15 @@ def test_parity_passes_same_backend_and_names_an_edited_token(small, tmp_path, c
     pair_args = ["--model", str(target_dir), "--draft-model", str(drafter_dir)]
     trace_path = tmp_path / "trace.json"
     code, _, err = run_cli(
-        [*pair_args, "--prompts", "math", "-m", "20", "--parity-record", str(trace_path)],
+        [
+            *pair_args,
+            "--prompts",
+            "math",
+            "-m",
+            "20",
+            "--parity-record",
+            str(trace_path),
+        ],
         capsys,
     )
     assert code == 0, err
@@ -195,7 +203,14 @@ def test_not_a_trace_is_refused(tmp_path, capsys, small):
     path = tmp_path / "x.json"
     path.write_text("[1, 2]")
     code, _, err = run_cli(
-        ["--model", str(target_dir), "--draft-model", str(drafter_dir), "--parity-check", str(path)],
+        [
+            "--model",
+            str(target_dir),
+            "--draft-model",
+            str(drafter_dir),
+            "--parity-check",
+            str(path),
+        ],
         capsys,
     )
     assert code == 1 and "not an mlx-dspark parity trace" in err
