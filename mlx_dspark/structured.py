@@ -53,10 +53,17 @@ class PairSpec:
     sharpness: float = 1.5
     perturbation: float = 0.26
     seed: int = 0
+    # Width of the token codes (and of the Markov rank); None = as wide as fits.
+    code_size: int | None = None
 
     @property
     def code_dims(self) -> int:
-        return min(self.hidden_size, self.num_kv_heads * self.head_dim) - 1
+        widest = min(self.hidden_size, self.num_kv_heads * self.head_dim) - 1
+        if self.code_size is None:
+            return widest
+        if not 0 < self.code_size <= widest:
+            raise ValueError(f"code_size must be in 1..{widest}, got {self.code_size}")
+        return self.code_size
 
     @property
     def rank(self) -> int:
@@ -126,7 +133,12 @@ def drafter_config(spec: PairSpec) -> dict:
     return config
 
 
-def _target_weights(spec: PairSpec, codes: np.ndarray, chain: np.ndarray, rng) -> dict:
+PERTURBED = ("o_proj.weight", "down_proj.weight")
+
+
+def _target_weights(
+    spec: PairSpec, codes: np.ndarray, chain: np.ndarray, rng, store=np.float32
+) -> dict:
     d, m, v = spec.hidden_size, spec.code_dims, spec.vocab_size
     model = qwen3.Model(qwen3.ModelArgs.from_dict(target_config(spec)))
     weights = {}
@@ -139,8 +151,9 @@ def _target_weights(spec: PairSpec, codes: np.ndarray, chain: np.ndarray, rng) -
             weights[name] = rng.standard_normal(value.shape).astype(
                 np.float32
             ) / np.sqrt(fan_in)
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
+            if name.endswith(PERTURBED):
                 weights[name] *= scale
+            weights[name] = weights[name].astype(store, copy=False)
     embed = np.zeros((v, d), np.float32)
     embed[:, :m] = codes
     embed[: v - 1, m] = 1.0
@@ -255,7 +268,9 @@ def build_structured_pair(
     rng = np.random.default_rng(spec.seed)
     codes = _codes(spec, rng)
     chain = _chain_map(spec, rng)
-    target = _target_weights(spec, codes, chain, rng)
+    # Big float16 pairs are stored as such from the start, to halve the memory.
+    store = np.float16 if dtype == mx.float16 else np.float32
+    target = _target_weights(spec, codes, chain, rng, store)
     drafter = _drafter_weights(spec, target, codes, chain, rng)
     directory = Path(directory)
     target_dir, drafter_dir = directory / "target", directory / "drafter"
@@ -264,6 +279,21 @@ def build_structured_pair(
         (target_dir / name).write_text(text)
     _save(drafter_dir, drafter_config(spec), drafter, dtype)
     return target_dir, drafter_dir
+
+
+def rescale_perturbation(model, old: float, new: float) -> None:
+    """Turn a loaded target built with perturbation ``old`` into one built with
+    ``new``: the perturbation only scales the layers' output projections."""
+    if old == new:
+        return
+    factor = new / old
+    updates = [
+        (name, value * factor)
+        for name, value in tree_flatten(model.parameters())
+        if name.endswith(PERTURBED)
+    ]
+    model.load_weights(updates, strict=False)
+    mx.eval(model.parameters())
 
 
 def cache_dir() -> Path:
