@@ -65,8 +65,10 @@ from .loop import (
     ThresholdPolicy,
     speculative_generate_step,
 )
+from .policies import resolve_policy
 from .sampling import SamplingParams
 from .target import TargetAdapter
+from .tree import TreeMode
 
 SCHEMA_VERSION = "mlx-dspark-benchmark/1"
 PARITY_FORMAT = "mlx-dspark-parity/1"
@@ -199,6 +201,7 @@ class Settings:
     fixed_n: list[int]
     thresholds: list[float]
     mlx_lm_num_draft: int
+    tree_budgets: list[int] = field(default_factory=lambda: [8, 16])
 
 
 @dataclass
@@ -359,16 +362,26 @@ def _threshold_modes(pair: Pair, settings: Settings) -> list[Variant]:
 
 
 def _scheduler_modes(pair: Pair, settings: Settings) -> list[Variant]:
-    try:
-        from .policies import resolve_policy  # lands with the scheduler wiring
-    except ImportError:
-        return []
-
     def policy(pair: Pair):
         return resolve_policy(pair.model, pair.drafter, "auto", progress=False).policy
 
     block = pair.drafter.block_size
     return [Variant("dspark-scheduler", "dspark", dspark_runner(block, policy), block)]
+
+
+def _tree_modes(pair: Pair, settings: Settings) -> list[Variant]:
+    block = pair.drafter.block_size
+    return [
+        Variant(
+            f"dspark-tree-{budget}",
+            "dspark",
+            dspark_runner(
+                block, lambda pair: ThresholdPolicy(0.0), lambda b=budget: TreeMode(b)
+            ),
+            num_draft=block,
+        )
+        for budget in settings.tree_budgets
+    ]
 
 
 # The mode registry: name -> variants for a pair. Adding a mode (a tree mode,
@@ -379,8 +392,9 @@ MODES: dict[str, Callable[[Pair, Settings], list[Variant]]] = {
     "fixed": _fixed_modes,
     "threshold": _threshold_modes,
     "scheduler": _scheduler_modes,
+    "tree": _tree_modes,
 }
-DRAFTER_MODES = ("fixed", "threshold", "scheduler")
+DRAFTER_MODES = ("fixed", "threshold", "scheduler", "tree")
 
 
 def select_variants(pair: Pair, settings: Settings, names: list[str]) -> list[Variant]:
@@ -1051,6 +1065,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--thresholds", default="0.5", help="Confidence thresholds for threshold modes."
     )
+    p.add_argument(
+        "--tree-budgets", default="8,16", help="Node budgets for the tree modes."
+    )
     p.add_argument("--ignore-chat-template", action="store_true")
     p.add_argument("--json", type=Path, help="Write the records as JSON here.")
     p.add_argument("--plot", type=Path, help="Write PNG plots into this folder.")
@@ -1194,8 +1211,14 @@ def _main(argv: list[str] | None = None) -> int:
     bad = [n for n in fixed if not 1 <= n <= block]
     if bad:
         raise DSparkError(f"--fixed-n values must lie in 1..{block}, got {bad[0]}.")
+    budgets = _int_list(args.tree_budgets, "--tree-budgets")
+    if any(b < 1 for b in budgets):
+        raise DSparkError("--tree-budgets values must be at least 1.")
     settings = Settings(
-        fixed, _float_list(args.thresholds, "--thresholds"), args.mlx_lm_num_draft
+        fixed,
+        _float_list(args.thresholds, "--thresholds"),
+        args.mlx_lm_num_draft,
+        budgets,
     )
     variants = select_variants(pair, settings, mode_names)
 
