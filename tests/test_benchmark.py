@@ -46,16 +46,22 @@ def run_cli(argv, capsys):
     return code, out, err
 
 
-def test_every_mode_gives_schema_valid_sane_records(small):
+def test_every_mode_gives_schema_valid_sane_records(small, tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path))
     pair, *_ = small
-    settings = Settings(fixed_n=[2, 6], thresholds=[0.5], mlx_lm_num_draft=3)
-    variants = select_variants(pair, settings, ["fixed", "threshold", "mlx-lm"])
+    settings = Settings(
+        fixed_n=[2, 6], thresholds=[0.5], mlx_lm_num_draft=3, tree_budgets=[6]
+    )
+    modes = ["fixed", "threshold", "scheduler", "tree", "mlx-lm"]
+    variants = select_variants(pair, settings, modes)
     names = [v.name for v in variants]
     assert names == [
         "target",
         "dspark-fixed-2",
         "dspark-fixed-6",
         "dspark-threshold-0.5",
+        "dspark-scheduler",
+        "dspark-tree-6",
         "mlx-lm-spec-3",
     ]
     results = measure(pair, variants, PROMPTS, MAX_TOKENS, trials=2)
