@@ -3,7 +3,7 @@
 Usage::
 
     mlx_dspark.benchmark [--model T --draft-model D] [--prompts chat|code|math|FILE]
-        [--max-tokens N] [--trials N] [--modes target,mlx-lm,fixed,threshold]
+        [--max-tokens N] [--trials N] [--modes target,mlx-lm,fixed,threshold,scheduler,tree]
         [--json PATH] [--plot DIR] [--mlx-lm-draft-model M]
     mlx_dspark.benchmark --synthetic 0.6b|1.7b|4b [--bits 4|8|16|32] [--accept chat|math]
     mlx_dspark.benchmark [pair options] --parity-record trace.json
