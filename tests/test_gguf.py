@@ -682,3 +682,44 @@ def test_smollm2_greedy_answer(smollm2):
     text = mlx_lm.generate(model, tok, prompt, max_tokens=8)
     print(f"SmolLM2 greedy: {text!r}")
     assert "Paris" in text
+
+
+def _mlx_metadata(meta: dict) -> dict:
+    """``mx.save_gguf`` takes strings, lists of strings and arrays."""
+    out = {}
+    for key, value in meta.items():
+        if isinstance(value, str) or (
+            isinstance(value, list) and value and isinstance(value[0], str)
+        ):
+            out[key] = value
+        elif isinstance(value, bool):
+            out[key] = mx.array(value)
+        elif isinstance(value, int):
+            out[key] = mx.array(value, dtype=mx.uint32)
+        elif isinstance(value, float):
+            out[key] = mx.array(value, dtype=mx.float32)
+        else:
+            out[key] = mx.array(np.asarray(value).astype(np.int32))
+    return out
+
+
+def test_convert_a_file_written_by_mlx_save_gguf(tmp_path):
+    import mlx_lm
+
+    tensors = tiny_tensors(uniform("F32"), tied=False)
+    arrays = {
+        name: mx.array(values.astype(np.float32))
+        for name, (_, values) in tensors.items()
+    }
+    src = tmp_path / "mlx.gguf"
+    mx.save_gguf(str(src), arrays, _mlx_metadata(tiny_metadata()))
+    out = tmp_path / "out"
+    G.convert_gguf(src, out)
+    model, tokenizer = mlx_lm.load(str(out))
+    reference = reference_logits(*gguf_arrays(src), TOKENS)
+    got = mlx_logits(model, TOKENS)
+    assert np.abs(got - reference).max() / np.abs(reference).max() < 1e-4
+    assert (
+        tokenizer.decode(tokenizer.encode("hello there", add_special_tokens=False))
+        == "hello there"
+    )
