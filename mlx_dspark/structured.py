@@ -303,19 +303,26 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def demo_pair() -> tuple[Path, Path]:
-    """The built-in demo pair, built into the user cache on first use."""
-    final = cache_dir() / "demo-pair-v1"
+def cached_pair(
+    name: str, spec: PairSpec, dtype: mx.Dtype = mx.float32
+) -> tuple[Path, Path]:
+    """Build a structured pair once into the user cache and return its paths."""
+    final = cache_dir() / name
     if not final.exists():
         final.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(dir=final.parent, prefix=".demo-"))
+        staging = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{name}-"))
         try:
-            build_structured_pair(
-                staging, PairSpec(vocab_size=32, hidden_size=64, num_layers=4)
-            )
+            build_structured_pair(staging, spec, dtype)
             staging.rename(final)
         except FileExistsError:
             pass
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return final / "target", final / "drafter"
+
+
+def demo_pair() -> tuple[Path, Path]:
+    """The built-in demo pair, built into the user cache on first use."""
+    return cached_pair(
+        "demo-pair-v1", PairSpec(vocab_size=32, hidden_size=64, num_layers=4)
+    )

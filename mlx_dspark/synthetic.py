@@ -12,15 +12,13 @@ perturbation to the acceptance profile asked for, then casts or quantizes.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from .errors import DSparkError
-from .structured import PairSpec, build_structured_pair, cache_dir, rescale_perturbation
+from .structured import PairSpec, cached_pair, rescale_perturbation
 
 # Real Qwen3 shapes (hidden, layers, heads, KV heads, head dim, MLP width).
 SHAPES = {
@@ -89,19 +87,7 @@ def synthetic_spec(size: str) -> PairSpec:
 
 def synthetic_pair(size: str) -> tuple[Path, Path]:
     """Build (once, into the user cache) the float16 pair of ``size``."""
-    spec = synthetic_spec(size)
-    final = cache_dir() / f"synthetic-qwen3-{size}-v1"
-    if not final.exists():
-        final.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(dir=final.parent, prefix=".synthetic-"))
-        try:
-            build_structured_pair(staging, spec, mx.float16)
-            staging.rename(final)
-        except FileExistsError:
-            pass
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    return final / "target", final / "drafter"
+    return cached_pair(f"synthetic-qwen3-{size}-v1", synthetic_spec(size), mx.float16)
 
 
 def _quantizable(path: str, module: nn.Module) -> bool:
