@@ -61,9 +61,10 @@ def target_dir(gguf: Path | None = None) -> Path:
 
 def default_pair() -> tuple[Path, Path]:
     """``(target_dir, drafter_dir)`` of the built-in default pair."""
+    target = target_dir()
     drafter = drafter_dir()
     if not (drafter / "config.json").exists():
         raise DSparkError(
             f"The default drafter is missing from {drafter}; reinstall mlx-dspark."
         )
-    return target_dir(), drafter
+    return target, drafter
