@@ -18,7 +18,7 @@ length, acceptance by position, draft and verify time, peak memory, and
 whether the greedy output equals target-only's. It also measures the memory
 bandwidth and reports the plain-decoding ceiling (bandwidth / bytes read per
 target step) and which BLAS the CPU backend used. Without ``--model`` it runs
-the built-in pair (:func:`default_pair`).
+the built-in default pair (:func:`mlx_dspark.default.default_pair`).
 
 ``--synthetic`` runs a Qwen3-shaped target of real size with structured
 weights (see :mod:`mlx_dspark.synthetic`); all its outputs say "synthetic".
@@ -56,6 +56,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .default import default_pair
 from .drafter import DSparkDrafter, Proposal
 from .errors import DSparkError, run_cli
 from .loop import (
@@ -72,13 +73,6 @@ from .tree import TreeMode
 
 SCHEMA_VERSION = "mlx-dspark-benchmark/1"
 PARITY_FORMAT = "mlx-dspark-parity/1"
-
-
-def default_pair() -> tuple[Path, Path]:
-    """The pair run without ``--model``: ``(target_dir, drafter_dir)``."""
-    from .structured import demo_pair
-
-    return demo_pair()
 
 
 # --------------------------------------------------------------------------
@@ -1110,7 +1104,7 @@ def load_pair(args) -> Pair:
                 "--draft-model needs --model (the target it was trained for)."
             )
         target_dir, drafter_dir = default_pair()
-        label = f"default pair ({target_dir.parent.name})"
+        label = f"default pair ({target_dir.name})"
     else:
         target_dir, drafter_dir, label = args.model, args.draft_model, str(args.model)
     model, tokenizer, drafter = load(target_dir, drafter_dir)

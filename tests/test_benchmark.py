@@ -99,11 +99,16 @@ def test_validator_rejects_bad_records():
     assert validate(float("nan"), {"type": "number"})
 
 
-def test_cli_demo_pair_writes_valid_json(tmp_path, capsys, monkeypatch):
+def test_cli_writes_valid_json(small, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path / "cache"))
+    _, target_dir, drafter_dir = small
     path = tmp_path / "report.json"
     code, out, err = run_cli(
         [
+            "--model",
+            str(target_dir),
+            "--draft-model",
+            str(drafter_dir),
             "--max-tokens",
             "16",
             "--trials",
@@ -111,7 +116,7 @@ def test_cli_demo_pair_writes_valid_json(tmp_path, capsys, monkeypatch):
             "--modes",
             "fixed,threshold",
             "--fixed-n",
-            "7",
+            "6",
             "--json",
             str(path),
             "--plot",
@@ -124,7 +129,7 @@ def test_cli_demo_pair_writes_valid_json(tmp_path, capsys, monkeypatch):
     assert validate(report, REPORT_SCHEMA) == []
     assert [r["mode"] for r in report["records"]] == [
         "target",
-        "dspark-fixed-7",
+        "dspark-fixed-6",
         "dspark-threshold-0.5",
     ]
     assert all(r["lossless"] for r in report["records"])
