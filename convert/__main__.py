@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from mlx_dspark.errors import DSparkError, run_cli
 
@@ -77,18 +79,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def convert_gguf_cli(args: argparse.Namespace) -> None:
+@contextmanager
+def tensor_progress() -> Iterator[Callable[[int, int], None]]:
+    """A progress bar on stderr (on a terminal) and the callback that drives it.
+
+    The bar starts on the first converted tensor, so that validation errors
+    are printed alone.
+    """
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from .gguf import convert_gguf, describe_plan, plan_conversion
-
-    if args.dry_run:
-        plan = plan_conversion(args.gguf, dequantize=args.dequantize, dtype=args.dtype)
-        print(describe_plan(plan))
-        return
-    if not args.out:
-        raise DSparkError("--out is required unless --dry-run is given.")
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
     progress = Progress(
         *columns,
@@ -99,8 +99,6 @@ def convert_gguf_cli(args: argparse.Namespace) -> None:
     task = None
 
     def advance(done: int, total: int) -> None:
-        # Started on the first converted tensor, so that validation errors
-        # are printed alone.
         nonlocal task
         if task is None:
             progress.start()
@@ -108,6 +106,21 @@ def convert_gguf_cli(args: argparse.Namespace) -> None:
         progress.update(task, completed=done)
 
     try:
+        yield advance
+    finally:
+        progress.stop()
+
+
+def convert_gguf_cli(args: argparse.Namespace) -> None:
+    from .gguf import convert_gguf, describe_plan, plan_conversion
+
+    if args.dry_run:
+        plan = plan_conversion(args.gguf, dequantize=args.dequantize, dtype=args.dtype)
+        print(describe_plan(plan))
+        return
+    if not args.out:
+        raise DSparkError("--out is required unless --dry-run is given.")
+    with tensor_progress() as advance:
         plan = convert_gguf(
             args.gguf,
             args.out,
@@ -116,24 +129,9 @@ def convert_gguf_cli(args: argparse.Namespace) -> None:
             dtype=args.dtype,
             on_tensor=advance,
         )
-    finally:
-        progress.stop()
     print(
         f"wrote {args.out} ({len(plan.tensors)} tensors, "
         f"{plan.total_bytes / 2**20:.1f} MiB)"
-    )
-
-
-def _progress():
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
-    return Progress(
-        *columns,
-        console=Console(stderr=True),
-        transient=True,
-        disable=not sys.stderr.isatty(),
     )
 
 
@@ -158,22 +156,10 @@ def convert_drafter_cli(args: argparse.Namespace) -> None:
         return
     if not args.out:
         raise DSparkError("--out is required unless --dry-run is given.")
-    progress = _progress()
-    task = None
-
-    def advance(done: int, total: int) -> None:
-        nonlocal task
-        if task is None:
-            progress.start()
-            task = progress.add_task("converting tensors", total=total)
-        progress.update(task, completed=done)
-
-    try:
+    with tensor_progress() as advance:
         plan = convert_drafter(
             args.draft_model, args.out, force=args.force, on_tensor=advance, **options
         )
-    finally:
-        progress.stop()
     kind = f"{plan.bits}-bit MLX drafter" if plan.bits else f"{plan.to} drafter"
     print(f"wrote {args.out} ({kind}, {plan.total_bytes / 2**20:.1f} MiB)")
 
