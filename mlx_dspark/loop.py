@@ -242,9 +242,12 @@ def speculative_generate_step(
         else:
             proposal, n = Proposal(mx.zeros((1, 0), mx.int32), mx.zeros((1, 0, 1))), 0
         drafted_at = time.perf_counter()
-        result, drafts, context = mode.verify(
+        result, drafts, committed = mode.verify(
             target, cache, anchor, proposal, n, params, rng
         )
+        # The drafter ingests the context only when it runs; a skipped round
+        # (cap 0) passes its features on to the next one.
+        context = committed if cap > 0 else mx.concatenate([context, committed], 1)
         stats.rounds.append(
             RoundStats(
                 drafted=cap,

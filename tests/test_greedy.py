@@ -109,3 +109,39 @@ def test_max_tokens_exact(pair_factory, max_tokens):
     assert [r.token for r in ours] == [r.token for r in theirs]
     assert ours[-1].generation_tokens == max_tokens
     assert "".join(r.text for r in ours) == "".join(r.text for r in theirs)
+
+
+class SkipEveryOtherRound:
+    """A policy whose round cap drops to 0 every other round (drafter skipped)."""
+
+    def __init__(self):
+        self.rounds = 0
+
+    def round_cap(self, cap):
+        self.rounds += 1
+        return 0 if self.rounds % 2 else cap
+
+    def draft_length(self, proposal, cap):
+        return cap
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_rounds_without_drafting_keep_the_draft_context(pair_factory, mode):
+    from mlx_dspark.loop import GenerationStats, speculative_generate_step
+    from mlx_dspark.target import TargetAdapter
+    from mlx_dspark.tree import TreeMode
+
+    model, _, drafter, *_ = pair_factory(block_size=8)
+    stats = GenerationStats()
+    tokens = speculative_generate_step(
+        mx.array(PROMPTS[0]),
+        TargetAdapter(model, drafter.config.target_layer_ids),
+        drafter,
+        max_tokens=MAX_TOKENS,
+        policy=SkipEveryOtherRound(),
+        mode=TreeMode(8) if mode == "tree" else None,
+        stats=stats,
+    )
+    assert [t for t, _ in tokens] == target_greedy(model, PROMPTS[0])
+    assert any(r.drafted == 0 for r in stats.rounds)
+    assert any(r.accepted > 0 for r in stats.rounds)
