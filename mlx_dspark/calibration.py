@@ -219,6 +219,9 @@ def _restore(values: list[float | None]) -> list[float]:
     return [float("nan") if v is None else float(v) for v in values]
 
 
+_PER_POSITION = ("temperatures", "ece_before", "ece_after", "auc_before", "auc_after")
+
+
 @dataclass
 class CalibrationResult:
     """Fitted STS temperatures and before/after metrics per position.
@@ -239,29 +242,20 @@ class CalibrationResult:
 
     def save(self, path: str | Path) -> None:
         data = asdict(self)
-        for key in (
-            "temperatures",
-            "ece_before",
-            "ece_after",
-            "auc_before",
-            "auc_after",
-        ):
+        for key in _PER_POSITION:
             data[key] = _clean(data[key])
         for key in ("reliability_before", "reliability_after"):
             data[key] = [[_clean(b) for b in pos] for pos in data[key]]
-        Path(path).write_text(json.dumps(data, indent=1))
+        path = Path(path)
+        staging = path.with_name(f".{path.name}.tmp")
+        staging.write_text(json.dumps(data, indent=1))
+        staging.replace(path)
 
     @classmethod
     def load(cls, path: str | Path) -> CalibrationResult:
         try:
             data = json.loads(Path(path).read_text())
-            for key in (
-                "temperatures",
-                "ece_before",
-                "ece_after",
-                "auc_before",
-                "auc_after",
-            ):
+            for key in _PER_POSITION:
                 data[key] = _restore(data[key])
             for key in ("reliability_before", "reliability_after"):
                 data[key] = [[_restore(b) for b in pos] for pos in data.get(key, [])]

@@ -156,15 +156,33 @@ class ChainMode:
         drafts = np.array(proposal.tokens[0, :n]).tolist()
         logits, features = target(mx.array([[anchor, *drafts]]), cache)
         mx.eval(logits, features)
-        result = verdict(
-            np.array(drafts, dtype=np.int64),
-            proposal.logits[0, :n],
-            logits[0],
-            params,
-            rng,
+        return settle_chain(
+            target, cache, drafts, proposal, logits, features, params, rng
         )
-        target.rollback(cache, n - result.accepted)
-        return result, drafts, features[:, : result.accepted + 1]
+
+
+def settle_chain(
+    target: TargetAdapter,
+    cache: list,
+    drafts: list[int],
+    proposal: Proposal,
+    logits: mx.array,
+    features: mx.array | None,
+    params: SamplingParams,
+    rng: np.random.Generator,
+) -> tuple[Verdict, list[int], mx.array | None]:
+    """Accept from a verified chain, roll the cache back, keep the committed features."""
+    n = len(drafts)
+    result = verdict(
+        np.array(drafts, dtype=np.int64),
+        proposal.logits[0, :n],
+        logits[0],
+        params,
+        rng,
+    )
+    target.rollback(cache, n - result.accepted)
+    committed = None if features is None else features[:, : result.accepted + 1]
+    return result, drafts, committed
 
 
 def prefill(

@@ -23,13 +23,13 @@ import numpy as np
 from .calibration import apply_sts
 from .drafter import Proposal
 from .errors import DSparkError
-from .loop import DraftPolicy, RoundStats
+from .loop import DraftPolicy, RoundStats, settle_chain
 from .memory import MemoryGuard
 from .sampling import SamplingParams
 from .scheduler import SchedulerSettings, StepRateCurve, schedule
 from .target import TargetAdapter
 from .telemetry import Telemetry
-from .verify import Verdict, verdict
+from .verify import Verdict
 
 
 def calibrated_survival(
@@ -170,21 +170,12 @@ def verify_batch(
         [[int(a), *d] for a, d in zip(anchors, drafts, strict=True)], caches
     )
     mx.eval([o for out in outputs for o in out if o is not None])
-    results = []
-    for cache, proposal, chain, n, rng, (logits, features) in zip(
-        caches, proposals, drafts, lengths, rngs, outputs, strict=True
-    ):
-        result = verdict(
-            np.array(chain, dtype=np.int64),
-            proposal.logits[0, :n],
-            logits[0],
-            params,
-            rng,
+    return [
+        settle_chain(target, cache, chain, proposal, logits, features, params, rng)
+        for cache, proposal, chain, rng, (logits, features) in zip(
+            caches, proposals, drafts, rngs, outputs, strict=True
         )
-        target.rollback(cache, n - result.accepted)
-        committed = None if features is None else features[:, : result.accepted + 1]
-        results.append((result, chain, committed))
-    return results
+    ]
 
 
 SCHEDULERS = ("off", "threshold", "auto")
