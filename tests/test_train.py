@@ -207,6 +207,43 @@ def test_other_heads_train_and_load(setup, head):
     assert got == expected
 
 
+def test_reduced_draft_vocabulary(setup):
+    """--draft-vocab: the drafter's own frozen head over the most frequent
+    labels; it learns, loads, and stays lossless when the target picks a token
+    outside that vocabulary."""
+    root, target_dir, model, tokenizer, data = setup
+    result = train(base_args(setup, "reduced", draft_vocab=12))
+    first, last = result.history[0], result.history[-1]
+    assert last[1] < 0.8 * first[1], (first, last)
+    config = json.loads((result.out / "config.json").read_text())
+    assert config["draft_vocab_size"] == 12
+    weights = mx.load(str(result.out / "model.safetensors"))
+    assert weights["lm_head.weight"].shape == (12, 64)
+    sequences, _ = load_sequences([data], tokenizer, 64)
+    labels = np.concatenate([s.tokens[s.loss_mask] for s in sequences])
+    counts = np.bincount(labels, minlength=32)
+    chosen = np.asarray(weights["draft_to_target"])
+    assert counts[chosen].min() >= np.delete(counts, chosen).max()
+    record = json.loads((result.out / "training_record.json").read_text())
+    assert 0.3 < record["draft_vocab_label_coverage"] < 1.0
+
+    model2, tokenizer2, drafter = load(target_dir, result.out)
+    assert drafter.config.reduced_vocab
+    assert mean_accepted_length(model2, tokenizer2, drafter) > 1.3
+    outside = 0
+    for prompt in PROMPTS:
+        expected = [
+            int(t) for t, _ in generate_step(mx.array(prompt), model2, max_tokens=40)
+        ]
+        outside += sum(t not in set(chosen.tolist()) for t in expected)
+        got = [
+            r.token
+            for r in stream_generate(model2, tokenizer2, drafter, prompt, max_tokens=40)
+        ]
+        assert got == expected
+    assert outside > 0
+
+
 def _checkpoint_weights(result):
     return mx.load(str(result.checkpoint / "drafter.safetensors"))
 
