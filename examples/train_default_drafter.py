@@ -63,15 +63,8 @@ COMMON_FLAGS = [
     "--log-every", "5",
     "--seed", "0",
 ]  # fmt: skip
-TRAIN_FLAGS = [
-    *COMMON_FLAGS,
-    "--markov-head",
-    "vanilla",
-    "--batch-size",
-    "8",
-    "--epochs",
-    "1",
-]
+TRAIN_FLAGS = [*COMMON_FLAGS, "--markov-head", "vanilla", "--batch-size", "8",
+               "--epochs", "1"]  # fmt: skip
 CALIBRATE_FLAGS = ["--rounds", "200", "--max-tokens", "64"]
 # Calibration prompts, none of them from the training templates.
 CALIBRATION_PROMPTS = (
