@@ -1,6 +1,10 @@
 """DSpark speculative decoding for mlx-lm models."""
 
-from .generation import DSparkResponse, generate, stream_generate
-from .loading import load, load_drafter
+from .blas import load_fast_blas
+
+load_fast_blas()  # before anything imports mlx.core
+
+from .generation import DSparkResponse, generate, stream_generate  # noqa: E402
+from .loading import load, load_drafter  # noqa: E402
 
 __all__ = ["DSparkResponse", "generate", "load", "load_drafter", "stream_generate"]

@@ -113,22 +113,28 @@ def classify_blas(maps: str) -> tuple[str, str | None]:
 
 
 def openblas_fix() -> str:
-    """The command line that swaps MLX's reference BLAS for Debian's OpenBLAS."""
+    """How to get MLX onto Debian's OpenBLAS (``mlx_dspark`` loads it by itself)."""
     triple = f"{platform.machine()}-linux-gnu"
     library = f"/usr/lib/{triple}/openblas-pthread/libopenblas.so.0"
-    preload = f"LD_PRELOAD={library} <command>"
     if Path(library).exists():
-        return f"OpenBLAS is installed; run with {preload}"
-    return f"apt-get install libopenblas0-pthread, then run with {preload}"
+        return (
+            "OpenBLAS is installed but not in use: import mlx_dspark before "
+            f"mlx.core, or run with LD_PRELOAD={library} <command>"
+        )
+    return (
+        "apt-get install libopenblas0-pthread; mlx_dspark then loads it "
+        "by itself (check with mlx_dspark.doctor)"
+    )
 
 
 def detect_blas(gflops: float | None = None) -> BlasInfo:
     """Identify the BLAS behind MLX's CPU backend, and whether it is slow.
 
-    It is flagged slow either by name (netlib reference BLAS, what the Linux
-    ``mlx[cpu]`` wheel bundles in ``mlx_cpu.libs/``) or by a CPU matmul far
-    below what any optimised BLAS reaches. Pass ``gflops`` to reuse a
-    measurement taken on the CPU device.
+    The library is named from the process's mapped files; whether it is the
+    one MLX calls is decided by speed: an optimised library that is mapped but
+    runs matrix products at reference speed is not in use (it was loaded
+    after ``mlx.core``), so the reference BLAS is reported. Pass ``gflops`` to
+    reuse a measurement taken on the CPU device.
     """
     if gflops is None:
         gflops = measure_matmul_gflops(device=mx.cpu)
@@ -140,6 +146,8 @@ def detect_blas(gflops: float | None = None) -> BlasInfo:
         except OSError:
             maps = ""
         kind, library = classify_blas(maps)
+        if kind != "reference" and gflops < SLOW_BLAS_GFLOPS:
+            kind, library = "reference", None
     slow = kind == "reference" or gflops < SLOW_BLAS_GFLOPS
     fix = openblas_fix() if slow and sys.platform.startswith("linux") else None
     return BlasInfo(kind, library, gflops, slow, fix)

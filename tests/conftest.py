@@ -1,3 +1,7 @@
+# isort: off
+import mlx_dspark  # noqa: F401  (first: it loads a system OpenBLAS before mlx.core)
+
+# isort: on
 import mlx.core as mx
 import pytest
 

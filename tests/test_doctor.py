@@ -107,8 +107,8 @@ def test_detect_blas_flags_slow_matmul():
     assert info.slow
     assert info.gflops == 1.0
     if sys.platform.startswith("linux"):
-        assert "libopenblas.so.0" in info.fix
-        assert "LD_PRELOAD=" in info.fix
+        assert "libopenblas0-pthread" in info.fix or "LD_PRELOAD=" in info.fix
+        assert info.kind == "reference"
 
 
 def test_detect_blas_flags_reference_by_name():
@@ -181,7 +181,7 @@ def test_doctor_cli_table():
         assert field in result.stdout
     if "reference" in result.stdout:
         assert "warning:" in result.stdout
-        assert "LD_PRELOAD=" in result.stdout
+        assert "fix:" in result.stdout
 
 
 def test_doctor_cli_json():
