@@ -326,5 +326,13 @@ class DSparkDrafter(nn.Module):
                 corrected = self.to_target(corrected)
         if not confidence:
             return Proposal(tokens, corrected)
+        return Proposal(
+            tokens, corrected, self.chain_confidence(hidden, anchor, tokens)
+        )
+
+    def chain_confidence(
+        self, hidden: mx.array, anchor: mx.array, tokens: mx.array
+    ) -> mx.array | None:
+        """Raw confidence logits of a chain of drafts ``tokens`` after ``anchor``."""
         prev_tokens = mx.concatenate([anchor[:, None], tokens[:, :-1]], axis=1)
-        return Proposal(tokens, corrected, self.confidence(hidden, prev_tokens))
+        return self.confidence(hidden[:, : tokens.shape[1]], prev_tokens)
