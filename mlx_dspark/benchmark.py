@@ -1217,16 +1217,20 @@ def _main(argv: list[str] | None = None) -> int:
     if bad:
         raise DSparkError(f"--fixed-n values must lie in 1..{block}, got {bad[0]}.")
     if args.profile:
-        from .roundprofile import profile_rounds, render, verify_overhead
+        from . import roundprofile
 
         if pair.drafter is None:
             raise DSparkError("--profile needs a DSpark drafter (--draft-model).")
         profiles = {
-            n: profile_rounds(pair.adapter, pair.drafter, prompts, args.max_tokens, n)
+            n: roundprofile.profile_rounds(
+                pair.adapter, pair.drafter, prompts, args.max_tokens, n
+            )
             for n in fixed
         }
-        overhead = verify_overhead(pair.adapter, pair.model, repeats=5 * args.trials)
-        render(profiles, overhead, console)
+        overhead = roundprofile.verify_overhead(
+            pair.adapter, pair.model, repeats=5 * args.trials
+        )
+        roundprofile.render(profiles, overhead, console)
         return 0
     budgets = _int_list(args.tree_budgets, "--tree-budgets")
     if any(b < 1 for b in budgets):
