@@ -8,6 +8,7 @@ Usage::
     mlx_dspark.benchmark --synthetic 0.6b|1.7b|4b [--bits 4|8|16|32] [--accept chat|math]
     mlx_dspark.benchmark [pair options] --parity-record trace.json
     mlx_dspark.benchmark [pair options] --parity-check trace.json
+    mlx_dspark.benchmark [pair options] [--fixed-n 1,7] --profile
 
 In one process and on the same prompts it runs target-only decoding (mlx-lm's
 own ``stream_generate``), mlx-lm's speculative decoding (with
@@ -34,6 +35,9 @@ NVIDIA machine::
 The trace stores the prompts, the committed tokens, every round's drafts and
 accepted count, and per draft position the sum, absolute sum and maximum of
 the draft logits (compared with ``--parity-rtol``, default 1e-3).
+
+``--profile`` splits a greedy round into its stages and compares the
+adapter's target forward with mlx-lm's (see :mod:`mlx_dspark.roundprofile`).
 """
 
 from __future__ import annotations
@@ -1080,6 +1084,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parity-record", type=Path, help="Record a golden greedy trace.")
     p.add_argument("--parity-check", type=Path, help="Replay a golden trace.")
     p.add_argument("--parity-rtol", type=float, default=1e-3)
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="Instead of the modes: split a greedy round into its stages at each "
+        "--fixed-n, and time the adapter's target forward against mlx-lm's "
+        "(5 x --trials calls each).",
+    )
     return p
 
 
@@ -1205,6 +1216,22 @@ def _main(argv: list[str] | None = None) -> int:
     bad = [n for n in fixed if not 1 <= n <= block]
     if bad:
         raise DSparkError(f"--fixed-n values must lie in 1..{block}, got {bad[0]}.")
+    if args.profile:
+        from . import roundprofile
+
+        if pair.drafter is None:
+            raise DSparkError("--profile needs a DSpark drafter (--draft-model).")
+        profiles = {
+            n: roundprofile.profile_rounds(
+                pair.adapter, pair.drafter, prompts, args.max_tokens, n
+            )
+            for n in fixed
+        }
+        overhead = roundprofile.verify_overhead(
+            pair.adapter, pair.model, repeats=5 * args.trials
+        )
+        roundprofile.render(profiles, overhead, console)
+        return 0
     budgets = _int_list(args.tree_budgets, "--tree-budgets")
     if any(b < 1 for b in budgets):
         raise DSparkError("--tree-budgets values must be at least 1.")

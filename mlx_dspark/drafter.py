@@ -262,6 +262,20 @@ class DSparkDrafter(nn.Module):
             hidden = mx.concatenate([hidden, prev], axis=-1)
         return self.confidence_head(hidden).astype(mx.float32)
 
+    def draft_ids_to_target(self, draft_logits: mx.array) -> mx.array:
+        """Greedy target ids from draft-vocabulary rows without full rows.
+
+        Equal to ``argmax(to_target(draft_logits))``: among the maxima the
+        smallest target id wins, as ``argmax`` over the full row picks it.
+        """
+        if not self.config.reduced_vocab:
+            return mx.argmax(draft_logits, axis=-1)
+        best = draft_logits.max(axis=-1, keepdims=True)
+        ids = mx.where(
+            draft_logits == best, self.draft_to_target, self.config.vocab_size
+        )
+        return ids.min(axis=-1)
+
     def propose(
         self,
         hidden: mx.array,
@@ -269,31 +283,56 @@ class DSparkDrafter(nn.Module):
         n: int,
         params: SamplingParams,
         key: mx.array | None,
+        *,
+        confidence: bool = True,
     ) -> Proposal:
         """Sample ``n`` drafts left to right through the sequential head.
 
         ``hidden`` is ``[B, block, d]``; ``anchor`` is ``[B]``. The returned
         logits are the TSH-corrected ones the drafts were drawn from, over the
         target vocabulary (a reduced draft vocabulary is scattered into it).
+        Greedy drafts are taken from the draft-vocabulary rows directly, so
+        their full-vocabulary logits are left unevaluated until a consumer
+        reads them. ``confidence=False`` skips the confidence head.
         """
         hidden = hidden[:, :n]
         base = self.logits(hidden)
         keys = [None] * n if key is None else list(mx.random.split(key, n))
         if self.markov_head is None:
             corrected = self.to_target(base)
-            tokens = mx.stack(
-                [sample(corrected[:, k], params, keys[k]) for k in range(n)], axis=1
-            )
+            if params.greedy:
+                tokens = self.draft_ids_to_target(base)
+            else:
+                tokens = mx.stack(
+                    [sample(corrected[:, k], params, keys[k]) for k in range(n)],
+                    axis=1,
+                )
         else:
             head = self.markov_head
             state = head.initial_state(anchor.shape)
             prev, tokens, rows = anchor, [], []
             for k in range(n):
                 state, bias = head.step(state, prev, hidden[:, k])
-                row = self.to_target(base[:, k] + bias.astype(base.dtype))
-                prev = sample(row, params, keys[k])
+                row = base[:, k] + bias.astype(base.dtype)
+                if params.greedy:
+                    prev = self.draft_ids_to_target(row)
+                else:
+                    row = self.to_target(row)
+                    prev = sample(row, params, keys[k])
                 tokens.append(prev)
                 rows.append(row)
             tokens, corrected = mx.stack(tokens, axis=1), mx.stack(rows, axis=1)
+            if params.greedy:
+                corrected = self.to_target(corrected)
+        if not confidence:
+            return Proposal(tokens, corrected)
+        return Proposal(
+            tokens, corrected, self.chain_confidence(hidden, anchor, tokens)
+        )
+
+    def chain_confidence(
+        self, hidden: mx.array, anchor: mx.array, tokens: mx.array
+    ) -> mx.array | None:
+        """Raw confidence logits of a chain of drafts ``tokens`` after ``anchor``."""
         prev_tokens = mx.concatenate([anchor[:, None], tokens[:, :-1]], axis=1)
-        return Proposal(tokens, corrected, self.confidence(hidden, prev_tokens))
+        return self.confidence(hidden[:, : tokens.shape[1]], prev_tokens)

@@ -139,7 +139,9 @@ class ChainMode:
         proposal = drafter.propose(
             hidden, anchor, cap, params, None if params.greedy else key
         )
-        mx.eval(proposal.tokens, proposal.logits, proposal.confidence)
+        # Greedy acceptance never reads the draft logits: leave them lazy.
+        logits = () if params.greedy else (proposal.logits,)
+        mx.eval(proposal.tokens, proposal.confidence, *logits)
         return proposal
 
     def verify(

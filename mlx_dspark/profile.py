@@ -166,7 +166,7 @@ def measure_profile(
                 proposal = drafter.propose(
                     hidden, anchor, drafter.block_size, SamplingParams(), None
                 )
-                mx.eval(proposal.tokens, proposal.logits, proposal.confidence)
+                mx.eval(proposal.tokens, proposal.confidence)
 
             draft()
             draft_times[context] = _median_time(draft, repeats)

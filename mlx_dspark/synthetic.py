@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .errors import DSparkError
+from .loading import dequantize_on_cpu
 from .structured import PairSpec, cached_pair, rescale_perturbation
 
 # Real Qwen3 shapes (hidden, layers, heads, KV heads, head dim, MLP width).
@@ -104,7 +105,8 @@ def prepare(model: nn.Module, drafter: nn.Module, bits: int) -> None:
     """Cast (16, 32) or quantize (4, 8) the target and the drafter in place.
 
     Computation runs in float32 (CPU MLX is much slower in float16); quantized
-    weights keep float32 scales.
+    weights keep float32 scales. The drafter is dequantized again on the CPU,
+    as :func:`mlx_dspark.loading.build_drafter` does for a quantized drafter.
     """
     if bits not in BITS:
         raise DSparkError(f"--bits must be one of 4, 8, 16, 32, got {bits}.")
@@ -114,6 +116,7 @@ def prepare(model: nn.Module, drafter: nn.Module, bits: int) -> None:
     if bits in (4, 8):
         nn.quantize(model, group_size=64, bits=bits, class_predicate=_quantizable)
         nn.quantize(drafter, group_size=64, bits=bits, class_predicate=_quantizable)
+        dequantize_on_cpu(drafter)
     mx.eval(model.parameters(), drafter.parameters())
 
 

@@ -225,3 +225,39 @@ def test_not_a_trace_is_refused(tmp_path, capsys, small):
         capsys,
     )
     assert code == 1 and "not an mlx-dspark parity trace" in err
+
+
+def test_profile_splits_a_round_into_every_stage(small, capsys):
+    from mlx_dspark.roundprofile import STAGES, profile_rounds
+
+    pair, target_dir, drafter_dir = small
+    profile = profile_rounds(pair.adapter, pair.drafter, PROMPTS, MAX_TOKENS, 6)
+    assert all(profile[s] >= 0 for s in STAGES if s != "host sync / Python")
+    assert profile["round (instrumented)"] == pytest.approx(
+        sum(profile[s] for s in STAGES)
+    )
+    assert profile["target forward"] > 0 and profile["drafter backbone"] > 0
+    # Accepted drafts make fewer rounds than tokens.
+    assert 0 < profile["rounds"] < len(PROMPTS) * (MAX_TOKENS - 1)
+    code, out, err = run_cli(
+        [
+            "--model",
+            str(target_dir),
+            "--draft-model",
+            str(drafter_dir),
+            "--max-tokens",
+            "12",
+            "--fixed-n",
+            "1,6",
+            "--profile",
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    for stage in STAGES:
+        assert stage in out
+    assert "fixed-1" in out and "fixed-6" in out
+    assert "adapter / mlx-lm" in out
+    verify = out[out.index("adapter / mlx-lm") :]
+    sizes = [line.split("│")[1].strip() for line in verify.splitlines()[2:6]]
+    assert sizes == ["1", "2", "4", "8"]

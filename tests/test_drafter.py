@@ -196,3 +196,122 @@ def test_sequential_head_and_confidence_match_the_formulas(head, with_markov):
         prev = int(np.argmax(row))
         tokens.append(prev)
     assert np.array(proposal.tokens[0]).tolist() == tokens
+
+
+# ------------------------------------------------------------ fast drafting
+
+
+def reduced_drafter(head, seed=0):
+    """A random drafter whose reduced draft vocabulary maps to target ids out
+    of order, so that ties and id mapping are exercised."""
+    drafter = random_drafter(head or "vanilla", rank=8 if head else 0, seed=seed)
+    config = DraftConfig.from_dict({**drafter.config.to_dict(), "draft_vocab_size": 16})
+    reduced = DSparkDrafter(config)
+    reduced.own_embeddings()
+    rng = np.random.default_rng(seed)
+    weights = []
+    for name, value in tree_flatten(reduced.parameters()):
+        noise = rng.standard_normal(value.shape).astype(np.float32)
+        weights.append((name, 1.0 + 0.2 * noise if "norm" in name else 0.3 * noise))
+    reduced.update(tree_unflatten([(k, mx.array(v)) for k, v in weights]))
+    reduced.draft_to_target = mx.array(rng.permutation(V - 1)[:16].astype(np.int32))
+    return reduced
+
+
+def full_row_greedy(drafter, hidden, anchor, n):
+    """Greedy drafts as argmax over full target-vocabulary rows."""
+    base = drafter.logits(hidden[:, :n])
+    head = drafter.markov_head
+    if head is None:
+        return mx.argmax(drafter.to_target(base), axis=-1), drafter.to_target(base)
+    state, prev, tokens, rows = head.initial_state(anchor.shape), anchor, [], []
+    for k in range(n):
+        state, bias = head.step(state, prev, hidden[:, k])
+        row = drafter.to_target(base[:, k] + bias)
+        prev = mx.argmax(row, axis=-1)
+        tokens.append(prev)
+        rows.append(row)
+    return mx.stack(tokens, axis=1), mx.stack(rows, axis=1)
+
+
+@pytest.mark.parametrize("reduced", [False, True], ids=["full-vocab", "reduced"])
+@pytest.mark.parametrize("head", ["vanilla", "gated", "rnn", None])
+def test_fast_greedy_drafts_equal_full_row_argmax(head, reduced):
+    for seed in range(4):
+        if reduced:
+            drafter = reduced_drafter(head, seed)
+        else:
+            drafter = random_drafter(
+                head or "vanilla", rank=8 if head else 0, seed=seed
+            )
+        anchor = mx.array([3, 11])
+        block = mx.stack([drafter.block_tokens(anchor[i : i + 1])[0] for i in range(2)])
+        hidden = drafter(block, 0, None, drafter.make_cache())
+        proposal = drafter.propose(hidden, anchor, 5, SamplingParams(), None)
+        tokens, rows = full_row_greedy(drafter, hidden, anchor, 5)
+        assert np.array(proposal.tokens).tolist() == np.array(tokens).tolist()
+        assert proposal.logits.shape == rows.shape
+        assert np.allclose(np.array(proposal.logits), np.array(rows))
+        no_confidence = drafter.propose(
+            hidden, anchor, 5, SamplingParams(), None, confidence=False
+        )
+        assert no_confidence.confidence is None
+        assert mx.array_equal(no_confidence.tokens, proposal.tokens)
+
+
+def test_draft_ids_to_target_breaks_ties_like_argmax_over_full_rows():
+    drafter = reduced_drafter("vanilla")
+    table = np.array(drafter.draft_to_target)
+    rows = np.zeros((3, 16), dtype=np.float32)
+    rows[0, [2, 9, 14]] = 5.0  # a three-way tie
+    rows[1] = -1.0  # every draft id ties
+    rows[2, 7] = 1.0
+    rows = mx.array(rows)
+    expected = mx.argmax(drafter.to_target(rows), axis=-1)
+    assert mx.array_equal(drafter.draft_ids_to_target(rows), expected)
+    assert int(drafter.draft_ids_to_target(rows)[0]) == min(table[[2, 9, 14]])
+
+
+def test_fast_greedy_drafts_on_a_structured_pair(pair_factory):
+    model, _, drafter, *_ = pair_factory(block_size=6)
+    anchor = mx.array([4])
+    hidden = drafter(drafter.block_tokens(anchor), 0, None, drafter.make_cache())
+    proposal = drafter.propose(hidden, anchor, 6, SamplingParams(), None)
+    tokens, _ = full_row_greedy(drafter, hidden, anchor, 6)
+    assert np.array(proposal.tokens).tolist() == np.array(tokens).tolist()
+
+
+def test_quantized_checkpoint_is_dequantized_on_cpu_with_the_same_drafts(
+    pair_factory,
+):
+    import mlx.nn as nn
+
+    from mlx_dspark.loading import build_drafter, read_config, read_weights
+    from mlx_dspark.target import TargetAdapter
+
+    model, _, _, _, drafter_dir, _ = pair_factory(block_size=6)
+    config = DraftConfig.from_dict(read_config(drafter_dir))
+    target = TargetAdapter(model, config.target_layer_ids)
+
+    def quantizable(path, module):
+        return isinstance(module, nn.Linear) and module.weight.shape[-1] % 64 == 0
+
+    reference = build_drafter(config, read_weights(drafter_dir), target)
+    nn.quantize(reference, group_size=64, bits=4, class_predicate=quantizable)
+    quantized = {k: v for k, v in tree_flatten(reference.parameters())}
+    assert any(k.endswith(".scales") for k in quantized)
+    q_config = DraftConfig.from_dict(
+        {**read_config(drafter_dir), "quantization": {"group_size": 64, "bits": 4}}
+    )
+    loaded = build_drafter(q_config, dict(quantized), target)
+    kinds = (nn.QuantizedLinear, nn.QuantizedEmbedding)
+    assert not any(isinstance(m, kinds) for _, m in loaded.named_modules())
+    anchor = mx.array([4])
+    outputs = []
+    for drafter in (reference, loaded):
+        hidden = drafter(drafter.block_tokens(anchor), 0, None, drafter.make_cache())
+        outputs.append(drafter.propose(hidden, anchor, 6, SamplingParams(), None))
+    assert mx.array_equal(outputs[0].tokens, outputs[1].tokens)
+    assert np.allclose(
+        np.array(outputs[0].logits), np.array(outputs[1].logits), rtol=1e-4, atol=1e-4
+    )
