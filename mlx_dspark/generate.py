@@ -91,8 +91,9 @@ def _cli(
     scheduler: str | None = typer.Option(
         None,
         "--dspark-scheduler",
-        help="off | threshold | auto (default: auto when the pair has a "
-        "calibration and a cost profile).",
+        help="off | threshold | auto | adaptive (default: adaptive, which picks "
+        "the draft length, 0 included, with the best predicted tokens/s each "
+        "round; with --dspark-n-draft: always that many).",
     ),
     profile: str = typer.Option(
         "auto",

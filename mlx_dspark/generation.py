@@ -93,8 +93,10 @@ def stream_generate(
 
     ``scheduler``: ``"off"`` (fixed ``num_draft``), ``"threshold"`` (cut at
     ``confidence_threshold``), ``"auto"`` (calibrated prefix scheduler with the
-    memory guard) or None (auto when a calibration and a profile exist, else
-    threshold/off with a note on stderr). ``profile="refresh"`` re-measures the
+    memory guard), ``"adaptive"`` (each round the draft length, 0 = plain
+    decoding included, with the best predicted tokens/s) or None: adaptive
+    when no other DSpark argument is given, an explicit ``num_draft`` means
+    always that many (see :func:`~mlx_dspark.policies.resolve_policy`). ``profile="refresh"`` re-measures the
     cost profile. Responses carry ``stats`` and ``telemetry``.
 
     ``tree_budget`` > 0 drafts a tree of that many nodes per round instead of
@@ -117,10 +119,12 @@ def stream_generate(
     if drafter is None:
         tokens = _target_only_tokens(model, prompt, params, max_tokens, seed)
     else:
-        num_draft = _check_num_draft(num_draft, drafter)
+        cap = _check_num_draft(num_draft, drafter)
+        # The policy needs to know whether num_draft was given (always that many).
         resolved = resolve_policy(
             model, drafter, scheduler, confidence_threshold, num_draft, profile
         )
+        num_draft = cap
         if resolved.note:
             print(resolved.note, file=sys.stderr)
         telemetry = resolved.policy.telemetry

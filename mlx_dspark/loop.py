@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from .drafter import DraftCache, DSparkDrafter, Proposal
-from .sampling import SamplingParams, log_probs
+from .sampling import SamplingParams, log_probs, sample
 from .scheduler import threshold_cut
 from .target import TargetAdapter
 from .verify import Verdict, draw, verdict
@@ -84,6 +84,12 @@ class DraftPolicy(Protocol):
 
     def draft_length(self, proposal: Proposal, cap: int) -> int:
         """How many of the proposal's first ``cap`` drafts to verify."""
+
+
+# A round whose cap is 0 is a plain round: one pipelined target step and no
+# drafter. ``round_cap`` for the round after a plain one is asked before that
+# plain round's token reaches the host (and before its ``observe``), so that a
+# following plain step can be queued on the lazy token; it must not sync.
 
 
 @dataclass
@@ -199,6 +205,22 @@ def prefill(
     return logits[0, -1], mx.concatenate(features, axis=1)
 
 
+def plain_step(
+    target: TargetAdapter,
+    cache: list,
+    token: mx.array,
+    params: SamplingParams,
+    key: mx.array,
+) -> tuple[mx.array, mx.array | None]:
+    """One lazy target step: the next token ``[1]`` and the step's features.
+
+    ``token`` may itself be lazy (the previous step's output), which is what
+    lets plain rounds overlap the host's work with the device's.
+    """
+    logits, features = target(token[None], cache)
+    return sample(logits[0, -1:], params, None if params.greedy else key), features
+
+
 def first_token(
     logits: mx.array, params: SamplingParams, rng: np.random.Generator
 ) -> int:
@@ -244,30 +266,59 @@ def speculative_generate_step(
     produced, start = 1, prompt.size
     round_cap = getattr(policy, "round_cap", None)
     observe = getattr(policy, "observe", None)
-    while produced < max_tokens:
+    no_proposal = Proposal(mx.zeros((1, 0), mx.int32), mx.zeros((1, 0, 1)))
+    unseen = [context]  # target features the drafter has not ingested yet
+    ahead = None  # a plain step already launched for the coming round
+
+    def next_cap() -> int:
         cap = min(num_draft, max_tokens - produced - 1)
         if round_cap is not None:
             cap = max(0, min(cap, int(round_cap(cap))))
+        return cap
+
+    cap = next_cap()
+    while produced < max_tokens:
         tic = time.perf_counter()
-        if cap > 0:
-            key, round_key = mx.random.split(key)
-            anchor_array = mx.array([anchor])
-            hidden = drafter(
-                drafter.block_tokens(anchor_array), start, context, draft_cache
+        if cap == 0:
+            # A plain round: one target step, pipelined like mlx-lm's
+            # generate_step. The next round's cap is decided before this
+            # round's token reaches the host; when it is plain too, its step
+            # is queued on the lazy token first, so the device never idles.
+            if ahead is None:
+                key, step_key = mx.random.split(key)
+                ahead = plain_step(target, cache, mx.array([anchor]), params, step_key)
+                mx.async_eval([a for a in ahead if a is not None])
+            token, features = ahead
+            ahead = None
+            produced += 1
+            start += 1
+            cap = next_cap()
+            if cap == 0 and produced < max_tokens:
+                key, step_key = mx.random.split(key)
+                ahead = plain_step(target, cache, token, params, step_key)
+                mx.async_eval([a for a in ahead if a is not None])
+            anchor = token.item()
+            unseen.append(features)
+            stats.rounds.append(
+                RoundStats(0, 0, 0, verify_time=time.perf_counter() - tic)
             )
-            proposal = mode.propose(
-                drafter, hidden, anchor_array, cap, params, round_key
-            )
-            n = policy.draft_length(proposal, cap)
-        else:
-            proposal, n = Proposal(mx.zeros((1, 0), mx.int32), mx.zeros((1, 0, 1))), 0
+            if observe is not None:
+                observe(no_proposal, stats.rounds[-1])
+            yield anchor, False
+            continue
+        key, round_key = mx.random.split(key)
+        anchor_array = mx.array([anchor])
+        context = unseen[0] if len(unseen) == 1 else mx.concatenate(unseen, 1)
+        hidden = drafter(
+            drafter.block_tokens(anchor_array), start, context, draft_cache
+        )
+        proposal = mode.propose(drafter, hidden, anchor_array, cap, params, round_key)
+        n = policy.draft_length(proposal, cap)
         drafted_at = time.perf_counter()
         result, drafts, committed = mode.verify(
             target, cache, anchor, proposal, n, params, rng
         )
-        # The drafter ingests the context only when it runs; a skipped round
-        # (cap 0) passes its features on to the next one.
-        context = committed if cap > 0 else mx.concatenate([context, committed], 1)
+        unseen = [committed]
         stats.rounds.append(
             RoundStats(
                 drafted=cap,
@@ -285,3 +336,4 @@ def speculative_generate_step(
         produced += result.accepted + 1
         start += result.accepted + 1
         anchor = result.next_token
+        cap = next_cap()

@@ -16,6 +16,7 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
@@ -30,6 +31,9 @@ from .scheduler import SchedulerSettings, StepRateCurve, schedule
 from .target import TargetAdapter
 from .telemetry import Telemetry
 from .verify import Verdict
+
+if TYPE_CHECKING:
+    from .adaptive import AdaptivePolicy
 
 
 def calibrated_survival(
@@ -178,14 +182,21 @@ def verify_batch(
     ]
 
 
-SCHEDULERS = ("off", "threshold", "auto")
+def telemetry_for(found) -> Telemetry:
+    telemetry = Telemetry()
+    if found is not None:
+        telemetry.ece = mean_ece(found[0].ece_after)
+    return telemetry
+
+
+SCHEDULERS = ("off", "threshold", "auto", "adaptive")
 
 
 @dataclass
 class ResolvedPolicy:
     """What :func:`resolve_policy` chose: the policy, its mode and why."""
 
-    policy: SchedulerPolicy | MonitoredPolicy
+    policy: SchedulerPolicy | MonitoredPolicy | AdaptivePolicy
     mode: str
     note: str | None = None
     calibration_path: str | None = None
@@ -202,11 +213,17 @@ def resolve_policy(
     memory_source=None,
     progress: bool = True,
 ) -> ResolvedPolicy:
-    """Build the draft policy for ``scheduler`` = off | threshold | auto | None.
+    """Build the draft policy for ``scheduler`` = off | threshold | auto |
+    adaptive | None.
 
-    None picks ``auto`` when this pair has a calibration and a cached profile
-    (or ``DSPARK_SCHEDULER_ENABLED`` is true, or ``profile="refresh"``), else
-    ``threshold`` (threshold > 0) or ``off``, with a note saying why. ``auto``
+    None with no other DSpark setting (no ``num_draft``, no threshold, no
+    ``DSPARK_SCHEDULER_ENABLED``, ``profile="auto"``) picks ``adaptive``
+    (:class:`~mlx_dspark.adaptive.AdaptivePolicy`: the draft length, 0
+    included, with the best predicted tokens/s; it uses the calibration and the
+    cached profile when they exist). A threshold picks ``threshold``; an
+    explicit ``num_draft`` means always that many (``off``). Otherwise
+    (``DSPARK_SCHEDULER_ENABLED`` set, or ``profile="refresh"``) None picks
+    ``auto`` unless the variable is false (then ``threshold`` or ``off``). ``auto``
     measures the profile when none is cached (``profile="refresh"`` always
     re-measures) and uses raw confidences when there is no calibration.
     DSPARK_* variables override ``settings``.
@@ -232,34 +249,29 @@ def resolve_policy(
     temperatures = None if found is None else list(found[0].temperatures)
     cal_path = None if found is None else str(found[1])
     note = None
-    if scheduler is None:
-        env_enabled = "DSPARK_SCHEDULER_ENABLED" in os.environ
-        wants_auto = settings.enabled if env_enabled else profile == "refresh"
-        has_profile = load_profile(model, drafter) is not None
-        if wants_auto or (found is not None and has_profile and not env_enabled):
+    env_enabled = "DSPARK_SCHEDULER_ENABLED" in os.environ
+    if scheduler is None and not env_enabled and profile == "auto":
+        if threshold > 0:
+            scheduler = "threshold"
+        elif num_draft is not None:
+            scheduler = "off"
+        else:
+            scheduler = "adaptive"
+    if scheduler == "adaptive":
+        from .adaptive import AdaptivePolicy
+
+        block = drafter.block_size if num_draft is None else num_draft
+        guard = MemoryGuard.from_settings(settings, block, memory_source)
+        policy = AdaptivePolicy(
+            temperatures, telemetry_for(found), load_profile(model, drafter), guard
+        )
+        return ResolvedPolicy(policy, "adaptive", None, cal_path)
+    if scheduler is None:  # DSPARK_SCHEDULER_ENABLED is set, or profile="refresh"
+        if not env_enabled or settings.enabled:
             scheduler = "auto"
         else:
             scheduler = "threshold" if threshold > 0 else "off"
-        if scheduler != "auto" and not env_enabled:
-            missing = [
-                what
-                for what, ok in (
-                    ("calibration (run mlx_dspark.calibrate)", found is not None),
-                    (
-                        "cost profile (use --dspark-scheduler auto or "
-                        "--dspark-profile refresh)",
-                        has_profile,
-                    ),
-                )
-                if not ok
-            ]
-            note = (
-                f"[dspark] scheduler: {scheduler}, because this pair has no "
-                f"{' and no '.join(missing)}."
-            )
-    telemetry = Telemetry()
-    if found is not None:
-        telemetry.ece = mean_ece(found[0].ece_after)
+    telemetry = telemetry_for(found)
     if scheduler != "auto":
         inner = ThresholdPolicy(threshold if scheduler == "threshold" else 0.0)
         policy = MonitoredPolicy(temperatures, telemetry, inner)

@@ -328,10 +328,12 @@ def _private_pair(pair_factory, tmp_path, **fields):
 def test_calibrate_cli_end_to_end(pair_factory, tmp_path, capsys):
     target_dir, drafter_dir = _private_pair(pair_factory, tmp_path, block_size=8)
     model, tokenizer, drafter = load(target_dir, drafter_dir)
-    # Without a calibration or a profile: threshold/off with a note.
+    # No DSpark argument: the adaptive policy, on running estimates alone.
     resolved = resolve_policy(model, drafter, None, 0.0)
-    assert resolved.mode == "off" and "no calibration" in resolved.note
+    assert resolved.mode == "adaptive" and resolved.note is None
+    assert resolved.policy.temperatures is None and resolved.policy.profile is None
     assert resolve_policy(model, drafter, None, 0.5).mode == "threshold"
+    assert resolve_policy(model, drafter, None, 0.0, num_draft=4).mode == "off"
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("t1 t2 t3\nt20 t4 t11 t9\nt13 t5 t5 t21 t2 t17\n")
@@ -368,12 +370,16 @@ def test_calibrate_cli_end_to_end(pair_factory, tmp_path, capsys):
     model, tokenizer, drafter = load(target_dir, drafter_dir)
     found = find_calibration(model, drafter)
     assert found is not None and found[1] == written
-    # A calibration alone is not enough for the default; with a profile it is auto.
-    assert resolve_policy(model, drafter, None, 0.0).mode == "off"
+    # The default uses the calibration, and the cached profile once there is one.
+    resolved = resolve_policy(model, drafter, None, 0.0)
+    assert resolved.mode == "adaptive" and resolved.policy.profile is None
+    assert resolved.policy.temperatures == data["temperatures"]
     get_profile(model, drafter, contexts=(16,), repeats=1, progress=False)
     resolved = resolve_policy(model, drafter, None, 0.0)
-    assert resolved.mode == "auto" and resolved.note is None
+    assert resolved.mode == "adaptive" and resolved.policy.profile is not None
     assert resolved.policy.temperatures == data["temperatures"]
+    resolved = resolve_policy(model, drafter, "auto", 0.0)
+    assert resolved.mode == "auto" and resolved.note is None
 
     # Unwritable / unknown drafter directory: the user cache, keyed by the pair.
     drafter.source_path = tmp_path / "missing"
