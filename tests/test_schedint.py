@@ -429,11 +429,10 @@ def test_profile_cache(pair_factory, tmp_path):
     assert load_profile(model, other) is None
 
 
-def test_default_scheduler_note_on_stderr(pair_factory, capsys):
+def test_default_scheduler_is_adaptive_and_quiet(pair_factory, capsys):
     model, tokenizer, drafter, *_ = pair_factory(block_size=8)
     responses = list(stream_generate(model, tokenizer, drafter, [1, 2], max_tokens=8))
-    err = capsys.readouterr().err
-    assert "[dspark] scheduler: off" in err and err.count("\n") == 1
+    assert capsys.readouterr().err == ""
     assert responses[-1].telemetry.n_rounds == len(responses[-1].stats.rounds)
     with pytest.raises(Exception, match="scheduler must be"):
         list(stream_generate(model, tokenizer, drafter, [1], scheduler="on"))
