@@ -45,6 +45,22 @@ _DRAFT_OVERHEAD = 1.3
 _PER_DRAFT = 0.08
 
 
+def _line(ns: np.ndarray, ts: np.ndarray, relative_slope: float) -> tuple[float, float]:
+    """Robust ``t = base + slope * n``: Theil-Sen (the median of the pairwise
+    slopes, never negative) once a few pairs of rounds differ in length, else
+    the slope ``relative_slope * base``. The base is the median residual, and
+    at least half the cheapest round (one noisy pair must not make a short
+    round look free)."""
+    dn = ns[:, None] - ns[None, :]
+    if np.count_nonzero(dn > 0) >= 4:
+        dt = ts[:, None] - ts[None, :]
+        slope = max(0.0, float(np.median(dt[dn > 0] / dn[dn > 0])))
+        base = max(float(np.median(ts - slope * ns)), 0.5 * float(ts.min()))
+        return base, slope
+    base = float(np.median(ts / (1.0 + relative_slope * ns)))
+    return base, relative_slope * base
+
+
 @dataclass
 class AdaptivePolicy(_Recording):
     """Per-round draft length 0..cap maximising predicted tokens/s.
@@ -57,22 +73,27 @@ class AdaptivePolicy(_Recording):
     profile: StepRateCurve | None = None
     guard: MemoryGuard | None = None
     decay: float = 0.9
-    prior_strength: float = 2.0
+    prior_strength: float = 4.0
     window: int = 5
-    probe_after: int = 8
+    drafted_window: int = 12
+    probe_after: int = 4
     probe_max: int = 128
-    costs: dict[int, deque] = field(default_factory=dict)
+    plain_costs: deque = field(default_factory=deque)
+    drafted_costs: deque = field(default_factory=deque)
     successes: list[float] = field(default_factory=list)
     failures: list[float] = field(default_factory=list)
     choice: int | None = None  # the length decided for the coming rounds
     interval: int = 0
     plain_left: int = 0
     probing: bool = False
+    last_drafted: bool = False
     _stale: bool = True
     _cap: int = -1
 
     def __post_init__(self) -> None:
         self.interval = self.probe_after
+        self.plain_costs = deque(self.plain_costs, maxlen=self.window)
+        self.drafted_costs = deque(self.drafted_costs, maxlen=self.drafted_window)
 
     def renew(self) -> AdaptivePolicy:
         """A fresh policy for the next generation that keeps what was measured
@@ -85,9 +106,11 @@ class AdaptivePolicy(_Recording):
             self.decay,
             self.prior_strength,
             self.window,
+            self.drafted_window,
             self.probe_after,
             self.probe_max,
-            {n: deque(d, maxlen=self.window) for n, d in self.costs.items()},
+            deque(self.plain_costs),
+            deque(self.drafted_costs),
             list(self.successes),
             list(self.failures),
         )
@@ -105,9 +128,6 @@ class AdaptivePolicy(_Recording):
             rates.append(prior)
         return rates
 
-    def _measured(self) -> dict[int, float]:
-        return {n: float(np.median(d)) for n, d in self.costs.items() if d}
-
     def _profile_cost(self, n: int) -> float:
         if n == 0:
             return self.profile.step_seconds(1)
@@ -115,35 +135,29 @@ class AdaptivePolicy(_Recording):
 
     def round_costs(self, cap: int) -> list[float]:
         """Predicted seconds of a round verifying n = 0..cap drafts."""
-        measured = self._measured()
+        plain = float(np.median(self.plain_costs)) if self.plain_costs else None
+        rounds = np.array(self.drafted_costs, dtype=np.float64).reshape(-1, 3)
+        ns, draft, verify = rounds.T
+        ts = draft + verify
         if self.profile is not None:
-            ratios = [t / self._profile_cost(n) for n, t in measured.items()]
-            scale = float(np.median(ratios)) if ratios else 1.0
-            return [
-                measured.get(n, scale * self._profile_cost(n)) for n in range(cap + 1)
-            ]
-        drafted = {n: t for n, t in measured.items() if n > 0}
-        plain = measured.get(0)
+            prof = np.array([self._profile_cost(n) for n in range(cap + 1)])
+            if ts.size:
+                scale = float(np.median(ts / [self._profile_cost(int(n)) for n in ns]))
+            else:
+                scale = 1.0 if plain is None else plain / prof[0]
+            costs = (scale * prof).tolist()
+            if plain is not None:
+                costs[0] = plain
+            return costs
         if plain is None:
-            plain = (
-                min(drafted.values()) / (_DRAFT_OVERHEAD + _PER_DRAFT)
-                if drafted
-                else 1.0
-            )
-        slope = _PER_DRAFT * plain
-        if len(drafted) >= 2:
-            xs = np.array(list(drafted), dtype=np.float64)
-            ys = np.array(list(drafted.values()))
-            slope = max(0.0, float(np.polyfit(xs, ys, 1)[0]))
-            base = float(np.mean(ys - slope * xs))
-        elif drafted:
-            (n1, t1), *_ = drafted.items()
-            base = t1 - slope * n1
+            # Not measured yet: a verify of the anchor alone, from the drafted
+            # rounds' verify times (1 unit before any round).
+            plain = _line(ns, verify, _PER_DRAFT)[0] if ts.size else 1.0
+        if not ts.size:
+            base, slope = _DRAFT_OVERHEAD * plain, _PER_DRAFT * plain
         else:
-            base = _DRAFT_OVERHEAD * plain
-        return [plain] + [
-            drafted.get(n, max(base + slope * n, 1e-9)) for n in range(1, cap + 1)
-        ]
+            base, slope = _line(ns, ts, _PER_DRAFT)
+        return [plain] + [max(base + slope * n, 1e-9) for n in range(1, cap + 1)]
 
     def predicted_rates(self, cap: int) -> list[float]:
         """Predicted tokens per second for n = 0..cap drafts per round."""
@@ -156,8 +170,10 @@ class AdaptivePolicy(_Recording):
         return rates
 
     def best_length(self, cap: int) -> int:
-        rates = self.predicted_rates(cap)
-        return int(np.argmax(rates))
+        """The best predicted length; among lengths within 1% of the best, the
+        longest (cheap deeper drafts keep their acceptance measured)."""
+        rates = np.array(self.predicted_rates(cap))
+        return int(np.flatnonzero(rates >= 0.99 * rates.max())[-1])
 
     # -- the loop's hooks --------------------------------------------------
 
@@ -210,13 +226,18 @@ class AdaptivePolicy(_Recording):
     def observe(self, proposal: Proposal, round_stats: RoundStats) -> None:
         super().observe(proposal, round_stats)
         n = round_stats.verified
-        key = max(n, 1) if round_stats.drafted else 0
         seconds = round_stats.draft_time + round_stats.verify_time
-        if key not in self.costs:
-            self.costs[key] = deque(maxlen=self.window)
-        self.costs[key].append(seconds)
-        if round_stats.drafted == 0:
+        steady = self.last_drafted
+        self.last_drafted = round_stats.drafted > 0
+        if not self.last_drafted:
+            self.plain_costs.append(seconds)
             return
+        if steady:
+            # The first drafted round after the prompt or a plain run also
+            # feeds the drafter all the context since: not a steady cost.
+            self.drafted_costs.append(
+                (max(n, 1), round_stats.draft_time, round_stats.verify_time)
+            )
         accepted = round_stats.accepted
         while len(self.successes) < n:
             self.successes.append(0.0)

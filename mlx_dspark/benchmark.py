@@ -59,6 +59,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
 
 from .default import default_pair
 from .drafter import DSparkDrafter, Proposal
@@ -367,6 +368,16 @@ def _scheduler_modes(pair: Pair, settings: Settings) -> list[Variant]:
     return [Variant("dspark-scheduler", "dspark", dspark_runner(block, policy), block)]
 
 
+def _default_modes(pair: Pair, settings: Settings) -> list[Variant]:
+    """What runs when the user passes no DSpark flags (the adaptive policy)."""
+
+    def policy(pair: Pair):
+        return resolve_policy(pair.model, pair.drafter, None, progress=False).policy
+
+    block = pair.drafter.block_size
+    return [Variant("dspark-default", "dspark", dspark_runner(None, policy), block)]
+
+
 def _tree_modes(pair: Pair, settings: Settings) -> list[Variant]:
     block = pair.drafter.block_size
     return [
@@ -390,9 +401,10 @@ MODES: dict[str, Callable[[Pair, Settings], list[Variant]]] = {
     "fixed": _fixed_modes,
     "threshold": _threshold_modes,
     "scheduler": _scheduler_modes,
+    "default": _default_modes,
     "tree": _tree_modes,
 }
-DRAFTER_MODES = ("fixed", "threshold", "scheduler", "tree")
+DRAFTER_MODES = ("fixed", "threshold", "scheduler", "default", "tree")
 
 
 def select_variants(pair: Pair, settings: Settings, names: list[str]) -> list[Variant]:
@@ -1058,7 +1070,15 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"Comma-separated modes among {', '.join(MODES)}.",
     )
     p.add_argument(
-        "--fixed-n", help="Draft counts for the fixed modes (default: 2,4,block)."
+        "--fixed-n",
+        help="Draft counts for the fixed modes (default: 2,4,block; 0 = plain "
+        "target decoding in the DSpark loop).",
+    )
+    p.add_argument(
+        "--useless-drafter",
+        action="store_true",
+        help="Replace the drafter's weights by random ones of the same shapes "
+        "(a pair that never drafts well: the default policy should stop drafting).",
     )
     p.add_argument(
         "--thresholds", default="0.5", help="Confidence thresholds for threshold modes."
@@ -1108,6 +1128,9 @@ def load_pair(args) -> Pair:
             args.synthetic, args.bits, args.accept
         )
         label = f"synthetic Qwen3-{args.synthetic} ({args.bits}-bit, {args.accept} acceptance)"
+        if args.useless_drafter:
+            randomize_weights(drafter)
+            label += ", useless (random) drafter"
         return Pair(model, tokenizer, drafter, label, synthetic=True)
     if args.model is None:
         if args.draft_model is not None:
@@ -1119,11 +1142,30 @@ def load_pair(args) -> Pair:
     else:
         target_dir, drafter_dir, label = args.model, args.draft_model, str(args.model)
     model, tokenizer, drafter = load(target_dir, drafter_dir)
+    if args.useless_drafter and drafter is not None:
+        randomize_weights(drafter)
+        label += ", useless (random) drafter"
     pair = Pair(model, tokenizer, drafter, label)
     if args.mlx_lm_draft_model:
         draft, _, _ = load(args.mlx_lm_draft_model)
         pair.mlx_lm_draft, pair.mlx_lm_draft_label = draft, args.mlx_lm_draft_model
     return pair
+
+
+def randomize_weights(model: nn.Module, seed: int = 0) -> None:
+    """Replace every floating-point weight by Gaussian noise of the same shape
+    and spread: a drafter of the right shape that proposes nothing useful."""
+    key = mx.random.key(seed)
+    weights = []
+    for name, value in tree_flatten(model.parameters()):
+        if mx.issubdtype(value.dtype, mx.floating):
+            key, sub = mx.random.split(key)
+            std = mx.maximum(mx.std(value.astype(mx.float32)), 1e-3)
+            noise = mx.random.normal(value.shape, key=sub) * std
+            value = noise.astype(value.dtype)
+        weights.append((name, value))
+    model.load_weights(weights)
+    mx.eval(model.parameters())
 
 
 def _check_args(args) -> None:
@@ -1213,9 +1255,9 @@ def _main(argv: list[str] | None = None) -> int:
         if args.fixed_n
         else sorted({n for n in (2, 4, block) if n <= block})
     )
-    bad = [n for n in fixed if not 1 <= n <= block]
+    bad = [n for n in fixed if not 0 <= n <= block]
     if bad:
-        raise DSparkError(f"--fixed-n values must lie in 1..{block}, got {bad[0]}.")
+        raise DSparkError(f"--fixed-n values must lie in 0..{block}, got {bad[0]}.")
     if args.profile:
         from . import roundprofile
 
