@@ -6,14 +6,16 @@ Predicted tokens/s for ``n`` drafts is ``E(n) / cost(n)``:
 * ``E(n) = 1 + sum_{k<=n} prod_{i<=k} p_i`` from running conditional
   acceptance ``p_k = P(draft k kept | drafts before it kept)``, each a Beta
   posterior whose counts decay by ``decay`` per observation (so the estimate
-  follows the text) and whose prior mean is position ``k-1``'s estimate (an
-  unseen deeper position is assumed as good as the one before it, which is
-  what lets a pair that drafts well reach long rounds);
-* ``cost(n)`` the median wall time of the last ``window`` rounds that
-  verified ``n`` drafts (``cost(0)``: a pipelined plain round). A length not
-  measured yet comes from the cached cost profile scaled to the measured
-  rounds when there is a profile, else from a line fitted to the measured
-  lengths.
+  follows the text; the prior's weight decays alike) and whose prior mean is
+  position ``k-1``'s estimate (an unseen deeper position is assumed as good
+  as the one before it, which is what lets a pair that drafts well reach long
+  rounds);
+* ``cost(n)`` the wall time of a round that verifies ``n`` drafts, the
+  caller's time with its tokens included (a pipelined plain round overlaps
+  the two): ``cost(0)`` the median of the last ``window`` plain rounds; for
+  drafted rounds, the cached cost profile scaled to the last
+  ``drafted_window`` drafted rounds when there is a profile, else a robust
+  line through them.
 
 The choice is made before drafting from past rounds only, so it cannot
 depend on the drafts it admits: lossless like any fixed length. With an STS
@@ -21,7 +23,7 @@ calibration, Algorithm 1 (:func:`~mlx_dspark.scheduler.schedule`) then cuts
 the drafted block on the calibrated prefix survival, priced with the same
 costs. Once the policy stops drafting it probes with one draft after
 ``probe_after`` plain rounds, doubling the wait (up to ``probe_max``) after
-every probe that does not bring drafting back, so a pair that starts badly and
+every rejected probe and going back to ``probe_after`` after a kept one, so a pair that starts badly and
 improves (a repetitive passage) drafts again.
 """
 
@@ -82,11 +84,14 @@ class AdaptivePolicy(_Recording):
     drafted_costs: deque = field(default_factory=deque)
     successes: list[float] = field(default_factory=list)
     failures: list[float] = field(default_factory=list)
+    observations: list[int] = field(default_factory=list)
     choice: int | None = None  # the length decided for the coming rounds
     interval: int = 0
     plain_left: int = 0
     probing: bool = False
+    probe_hits: float = 0.0
     last_drafted: bool = False
+    last_tokens: int = 1
     _stale: bool = True
     _cap: int = -1
 
@@ -113,6 +118,7 @@ class AdaptivePolicy(_Recording):
             deque(self.drafted_costs),
             list(self.successes),
             list(self.failures),
+            list(self.observations),
         )
 
     # -- estimates ---------------------------------------------------------
@@ -120,11 +126,12 @@ class AdaptivePolicy(_Recording):
     def acceptance(self, cap: int) -> list[float]:
         """Conditional acceptance estimates p_1..p_cap."""
         rates, prior = [], 0.5
-        strength = self.prior_strength
         for k in range(cap):
             s = self.successes[k] if k < len(self.successes) else 0.0
             f = self.failures[k] if k < len(self.failures) else 0.0
-            prior = (strength * prior + s) / (strength + s + f)
+            seen = self.observations[k] if k < len(self.observations) else 0
+            weight = self.prior_strength * self.decay**seen  # the prior fades too
+            prior = (weight * prior + s) / (weight + s + f)
             rates.append(prior)
         return rates
 
@@ -136,9 +143,8 @@ class AdaptivePolicy(_Recording):
     def round_costs(self, cap: int) -> list[float]:
         """Predicted seconds of a round verifying n = 0..cap drafts."""
         plain = float(np.median(self.plain_costs)) if self.plain_costs else None
-        rounds = np.array(self.drafted_costs, dtype=np.float64).reshape(-1, 3)
-        ns, draft, verify = rounds.T
-        ts = draft + verify
+        rounds = np.array(self.drafted_costs, dtype=np.float64).reshape(-1, 4)
+        ns, ts, verify, tokens = rounds.T
         if self.profile is not None:
             prof = np.array([self._profile_cost(n) for n in range(cap + 1)])
             if ts.size:
@@ -149,10 +155,13 @@ class AdaptivePolicy(_Recording):
             if plain is not None:
                 costs[0] = plain
             return costs
-        if plain is None:
+        if plain is None and ts.size:
             # Not measured yet: a verify of the anchor alone, from the drafted
-            # rounds' verify times (1 unit before any round).
-            plain = _line(ns, verify, _PER_DRAFT)[0] if ts.size else 1.0
+            # rounds' verify times, plus the caller's time for one token.
+            caller = np.median((ts - verify) / tokens)  # the drafter's time too
+            plain = _line(ns, verify, _PER_DRAFT)[0] + float(caller)
+        elif plain is None:
+            plain = 1.0
         if not ts.size:
             base, slope = _DRAFT_OVERHEAD * plain, _PER_DRAFT * plain
         else:
@@ -198,7 +207,9 @@ class AdaptivePolicy(_Recording):
             self._stale = False
             probed, self.probing = self.probing, False
             if self.choice == 0:
-                if probed:  # the probe did not bring drafting back: wait longer
+                if probed and self.successes[0] > self.probe_hits:
+                    self.interval = self.probe_after  # a kept probe: look again soon
+                elif probed:  # a rejected probe: wait longer
                     self.interval = min(2 * self.interval, self.probe_max)
                 elif previous != 0:
                     self.interval = self.probe_after
@@ -209,6 +220,7 @@ class AdaptivePolicy(_Recording):
             return min(self.choice, cap)
         if self.choice == 0:  # the plain run is over: probe with one draft
             self.probing = True
+            self.probe_hits = self.successes[0] if self.successes else 0.0
             return 1
         return min(self.choice, cap)
 
@@ -226,9 +238,12 @@ class AdaptivePolicy(_Recording):
     def observe(self, proposal: Proposal, round_stats: RoundStats) -> None:
         super().observe(proposal, round_stats)
         n = round_stats.verified
-        seconds = round_stats.draft_time + round_stats.verify_time
-        steady = self.last_drafted
+        seconds = round_stats.wall_time or (
+            round_stats.draft_time + round_stats.verify_time
+        )
+        steady, tokens = self.last_drafted, self.last_tokens
         self.last_drafted = round_stats.drafted > 0
+        self.last_tokens = round_stats.accepted + 1
         if not self.last_drafted:
             self.plain_costs.append(seconds)
             return
@@ -236,15 +251,17 @@ class AdaptivePolicy(_Recording):
             # The first drafted round after the prompt or a plain run also
             # feeds the drafter all the context since: not a steady cost.
             self.drafted_costs.append(
-                (max(n, 1), round_stats.draft_time, round_stats.verify_time)
+                (max(n, 1), seconds, round_stats.verify_time, tokens)
             )
         accepted = round_stats.accepted
         while len(self.successes) < n:
             self.successes.append(0.0)
             self.failures.append(0.0)
+            self.observations.append(0)
         for k in range(min(n, accepted + 1)):
             self.successes[k] *= self.decay
             self.failures[k] *= self.decay
+            self.observations[k] += 1
             if k < accepted:
                 self.successes[k] += 1.0
             else:

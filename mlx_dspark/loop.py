@@ -30,6 +30,9 @@ class RoundStats:
     accepted: int
     draft_time: float = 0.0
     verify_time: float = 0.0
+    # Since the previous round ended, including the caller's time with the
+    # previous round's tokens (which a pipelined plain round overlaps).
+    wall_time: float = 0.0
 
 
 @dataclass
@@ -261,6 +264,7 @@ def speculative_generate_step(
     logits, context = prefill(target, prompt, cache)
     anchor = first_token(logits, params, rng)
     stats.prompt_tokens, stats.prompt_time = prompt.size, time.perf_counter() - tic
+    ended = time.perf_counter()
     yield anchor, False
 
     produced, start = 1, prompt.size
@@ -299,9 +303,9 @@ def speculative_generate_step(
                 mx.async_eval([a for a in ahead if a is not None])
             anchor = token.item()
             unseen.append(features)
-            stats.rounds.append(
-                RoundStats(0, 0, 0, verify_time=time.perf_counter() - tic)
-            )
+            now = time.perf_counter()
+            stats.rounds.append(RoundStats(0, 0, 0, 0.0, now - tic, now - ended))
+            ended = now
             if observe is not None:
                 observe(no_proposal, stats.rounds[-1])
             yield anchor, False
@@ -319,15 +323,18 @@ def speculative_generate_step(
             target, cache, anchor, proposal, n, params, rng
         )
         unseen = [committed]
+        now = time.perf_counter()
         stats.rounds.append(
             RoundStats(
                 drafted=cap,
                 verified=n,
                 accepted=result.accepted,
                 draft_time=drafted_at - tic,
-                verify_time=time.perf_counter() - drafted_at,
+                verify_time=now - drafted_at,
+                wall_time=now - ended,
             )
         )
+        ended = now
         if observe is not None:
             observe(proposal, stats.rounds[-1])
         for token in drafts[: result.accepted]:

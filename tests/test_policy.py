@@ -1,0 +1,275 @@
+"""The default (adaptive) policy: when it drafts, when it decodes plainly, and
+that mixing plain rounds into the loop keeps generation lossless."""
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from test_sampling import CONFIGS, PROMPT, chi_square, chi_square_critical, exact_joint
+
+from mlx_dspark import stream_generate
+from mlx_dspark.adaptive import AdaptivePolicy
+from mlx_dspark.benchmark import randomize_weights
+from mlx_dspark.drafter import Proposal
+from mlx_dspark.loading import load
+from mlx_dspark.loop import GenerationStats, RoundStats, speculative_generate_step
+from mlx_dspark.sampling import SamplingParams
+from mlx_dspark.scheduler import StepRateCurve
+from mlx_dspark.target import TargetAdapter
+
+NO_PROPOSAL = Proposal(mx.zeros((1, 0), mx.int32), mx.zeros((1, 0, 1)))
+PLAIN_SECONDS = 0.010
+
+
+def drafted_seconds(n: int) -> tuple[float, float]:
+    """(draft, verify) seconds of a round with n drafts: a CPU-like verify."""
+    return 0.002, PLAIN_SECONDS * (1.0 + 0.1 * n)
+
+
+def play(policy, rounds: int, accept, cap: int = 7) -> list[int]:
+    """Drive the policy's hooks as the loop does; ``accept(n)`` says how many of
+    n verified drafts the target keeps. Returns the lengths chosen."""
+    chosen = []
+    for _ in range(rounds):
+        n = policy.round_cap(cap)
+        chosen.append(n)
+        if n == 0:
+            stats = RoundStats(0, 0, 0, verify_time=PLAIN_SECONDS)
+            policy.observe(NO_PROPOSAL, stats)
+            continue
+        draft, verify = drafted_seconds(n)
+        stats = RoundStats(n, n, accept(n), draft, verify)
+        policy.observe(NO_PROPOSAL, stats)
+    return chosen
+
+
+def test_never_accepted_drafts_mean_plain_decoding():
+    policy = AdaptivePolicy()
+    chosen = play(policy, 200, lambda n: 0)
+    assert chosen[0] > 0  # it tries drafting first
+    assert chosen[-100:].count(0) >= 97  # then decodes plainly, probing rarely
+    assert set(chosen[-100:]) <= {0, 1}
+    assert policy.interval == policy.probe_max  # failed probes back off
+
+
+def test_always_accepted_drafts_mean_full_rounds():
+    policy = AdaptivePolicy()
+    chosen = play(policy, 30, lambda n: n)
+    assert 0 not in chosen
+    assert chosen[-10:] == [7] * 10
+
+
+def test_acceptance_that_stops_at_three_drafts_three():
+    policy = AdaptivePolicy()
+    chosen = play(policy, 60, lambda n: min(n, 3))
+    assert chosen[-10:].count(3) >= 8 or set(chosen[-10:]) <= {3, 4}
+
+
+def test_probing_brings_drafting_back_when_the_text_turns_easy():
+    policy = AdaptivePolicy()
+    play(policy, 100, lambda n: 0)
+    assert policy.best_length(7) == 0
+    chosen = play(policy, 150, lambda n: n)
+    assert chosen[-10:] == [7] * 10
+    assert 0 in chosen[:5]  # it was still decoding plainly at first
+
+
+def test_probe_schedule():
+    policy = AdaptivePolicy(probe_after=4, probe_max=16)
+    chosen = play(policy, 80, lambda n: 0)
+    probes = [i for i in range(1, 80) if chosen[i] == 1 and chosen[i - 1] == 0]
+    first_plain = chosen.index(0)
+    assert probes[0] - first_plain == 4  # probe_after plain rounds, then a probe
+    assert np.diff(probes).tolist() == [9, 17, 17, 17]  # waits 8, then 16 (max)
+
+
+def test_plain_rounds_cost_no_policy_arithmetic(monkeypatch):
+    policy = AdaptivePolicy()
+    play(policy, 50, lambda n: 0)
+    while policy.plain_left < 2:
+        play(policy, 1, lambda n: 0)
+    calls = []
+    original = policy.best_length
+    monkeypatch.setattr(policy, "best_length", lambda cap: calls.append(cap) or 0)
+    chosen = play(policy, policy.plain_left, lambda n: 0)
+    assert set(chosen) == {0} and not calls
+    monkeypatch.setattr(policy, "best_length", original)
+
+
+def test_costs_come_from_the_profile_until_measured():
+    # A profile where a verify of 8 tokens costs 4x one token: drafting loses
+    # even with fair acceptance, before any round has been measured.
+    curve = StepRateCurve([1, 8], [100.0, 25.0], draft_seconds=0.01)
+    policy = AdaptivePolicy(profile=curve)
+    costs = policy.round_costs(7)
+    assert costs[0] == pytest.approx(0.01)
+    assert costs[7] == pytest.approx(0.05)
+    policy.successes, policy.failures = [1.0], [3.0]
+    assert policy.best_length(7) == 0
+    assert AdaptivePolicy().best_length(7) > 0  # no profile: the optimistic start
+
+
+def test_calibration_cuts_inside_a_drafted_block():
+    policy = AdaptivePolicy(temperatures=[1.0] * 4)
+    play(policy, 10, lambda n: n, cap=4)
+    confident = Proposal(mx.zeros((1, 4), mx.int32), None, mx.array([[9.0] * 4]))
+    doubtful = Proposal(
+        mx.zeros((1, 4), mx.int32), None, mx.array([[9.0, -9.0, 9.0, 9.0]])
+    )
+    assert policy.draft_length(confident, 4) == 4
+    assert policy.draft_length(doubtful, 4) == 1
+    assert AdaptivePolicy().draft_length(doubtful, 4) == 4  # no calibration
+
+
+def test_renew_keeps_measurements():
+    policy = AdaptivePolicy()
+    play(policy, 40, lambda n: 0)
+    fresh = policy.renew()
+    assert fresh.best_length(7) == 0 and fresh.plain_left == 0
+    assert list(fresh.plain_costs) == list(policy.plain_costs)
+
+
+# -- in the generation loop --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def useless_pair(pair_factory):
+    *_, target_dir, drafter_dir, _ = pair_factory(vocab_size=512, block_size=8)
+    model, tokenizer, drafter = load(target_dir, drafter_dir)
+    randomize_weights(drafter, seed=3)
+    return model, tokenizer, drafter
+
+
+def greedy_target(model, prompt, max_tokens):
+    from mlx_lm.generate import generate_step
+
+    steps = generate_step(mx.array(prompt), model, max_tokens=max_tokens)
+    return [int(t) for t, _ in steps]
+
+
+def run_default(model, tokenizer, drafter, prompt, max_tokens, **kwargs):
+    responses = list(
+        stream_generate(
+            model, tokenizer, drafter, prompt, max_tokens=max_tokens, **kwargs
+        )
+    )
+    return [r.token for r in responses], responses[-1].stats
+
+
+def test_useless_drafter_decodes_plainly_and_losslessly(useless_pair):
+    model, tokenizer, drafter = useless_pair
+    prompt = [1, 2, 3]
+    tokens, stats = run_default(model, tokenizer, drafter, prompt, 160)
+    assert tokens == greedy_target(model, prompt, 160)
+    plain = [r.drafted == 0 for r in stats.rounds]
+    assert sum(plain[-60:]) >= 54, " ".join(
+        f"{r.drafted}/{r.accepted}" for r in stats.rounds
+    )
+    assert all(r.draft_time == 0.0 for r in stats.rounds if r.drafted == 0)
+
+
+def test_structured_pair_drafts_by_default(pair_factory):
+    model, tokenizer, drafter, *_ = pair_factory(block_size=8)
+    for prompt in ([1, 2, 3], [20, 4, 11, 9]):
+        tokens, stats = run_default(model, tokenizer, drafter, prompt, 96)
+        assert tokens == greedy_target(model, prompt, 96)
+        assert stats.mean_accepted_length > 2.0
+        assert sum(r.drafted > 0 for r in stats.rounds) >= 0.8 * len(stats.rounds)
+
+
+def test_explicit_num_draft_always_drafts_that_many(useless_pair):
+    model, tokenizer, drafter = useless_pair
+    _, stats = run_default(model, tokenizer, drafter, [1, 2, 3], 40, num_draft=3)
+    assert {r.drafted for r in stats.rounds[:-3]} == {3}  # then the last tokens
+
+
+class Alternate:
+    """Plain and drafted rounds by a fixed pattern (decided before drafting)."""
+
+    def __init__(self, pattern):
+        self.pattern = itertools.cycle(pattern)
+
+    def round_cap(self, cap):
+        return cap if next(self.pattern) else 0
+
+    def draft_length(self, proposal, cap):
+        return cap
+
+
+@pytest.mark.parametrize("pattern", [(0, 1), (1, 0), (0, 0, 1)], ids=str)
+def test_greedy_identical_with_plain_rounds_mixed_in(pair_factory, pattern):
+    model, _, drafter, *_ = pair_factory(block_size=8)
+    target = TargetAdapter(model, drafter.config.target_layer_ids)
+    for prompt in ([1, 2, 3], [13, 5, 5, 21, 2, 17]):
+        stats = GenerationStats()
+        tokens = speculative_generate_step(
+            mx.array(prompt),
+            target,
+            drafter,
+            max_tokens=64,
+            policy=Alternate(pattern),
+            stats=stats,
+        )
+        assert [t for t, _ in tokens] == greedy_target(model, prompt, 64)
+        assert {r.drafted == 0 for r in stats.rounds} == {True, False}
+
+
+@pytest.mark.parametrize("pattern", [(0,), (0, 1), (1, 0)], ids=str)
+def test_sampling_exact_with_plain_rounds_mixed_in(pair_factory, pattern):
+    model, _, drafter, *_ = pair_factory(
+        markov_head_type="vanilla", sharpness=0.6, block_size=4
+    )
+    params = CONFIGS[0]
+    joint = exact_joint(model, params)
+    target = TargetAdapter(model, drafter.config.target_layer_ids)
+    seeds, samples = 1500, {}
+    for seed in range(seeds):
+        tokens = speculative_generate_step(
+            mx.array(PROMPT),
+            target,
+            drafter,
+            params=params,
+            max_tokens=3,
+            seed=seed,
+            policy=Alternate(pattern),
+        )
+        key = tuple(t for t, _ in tokens)
+        samples[key] = samples.get(key, 0) + 1
+    stat, dof = chi_square(samples, joint, seeds)
+    assert dof >= 5
+    assert stat < chi_square_critical(dof), (stat, dof)
+
+
+def test_a_biased_plain_round_is_caught(pair_factory, monkeypatch):
+    """The exactness test can fail: plain rounds that sample at temperature 1
+    instead of the requested processing are detected."""
+    import mlx_dspark.loop as loop
+
+    model, _, drafter, *_ = pair_factory(
+        markov_head_type="vanilla", sharpness=0.6, block_size=4
+    )
+    params = CONFIGS[0]
+    joint = exact_joint(model, params)
+    target = TargetAdapter(model, drafter.config.target_layer_ids)
+    original = loop.sample
+    monkeypatch.setattr(
+        loop,
+        "sample",
+        lambda logits, p, key: original(logits, SamplingParams(1.0), key),
+    )
+    samples = {}
+    for seed in range(1500):
+        tokens = speculative_generate_step(
+            mx.array(PROMPT),
+            target,
+            drafter,
+            params=params,
+            max_tokens=3,
+            seed=seed,
+            policy=Alternate((0,)),
+        )
+        key = tuple(t for t, _ in tokens)
+        samples[key] = samples.get(key, 0) + 1
+    stat, dof = chi_square(samples, joint, 1500)
+    assert stat > chi_square_critical(dof)
