@@ -213,7 +213,7 @@ def plain_step(
     cache: list,
     token: mx.array,
     params: SamplingParams,
-    key: mx.array,
+    key: mx.array | None,
 ) -> tuple[mx.array, mx.array | None]:
     """One lazy target step: the next token ``[1]`` and the step's features.
 
@@ -221,7 +221,7 @@ def plain_step(
     lets plain rounds overlap the host's work with the device's.
     """
     logits, features = target(token[None], cache)
-    return sample(logits[0, -1:], params, None if params.greedy else key), features
+    return sample(logits[0, -1:], params, key), features
 
 
 def first_token(
@@ -274,6 +274,9 @@ def speculative_generate_step(
     unseen = [context]  # target features the drafter has not ingested yet
     ahead = None  # a plain step already launched for the coming round
 
+    def split(key: mx.array) -> tuple[mx.array, mx.array | None]:
+        return (key, None) if params.greedy else mx.random.split(key)
+
     def next_cap() -> int:
         cap = min(num_draft, max_tokens - produced - 1)
         if round_cap is not None:
@@ -289,7 +292,7 @@ def speculative_generate_step(
             # round's token reaches the host; when it is plain too, its step
             # is queued on the lazy token first, so the device never idles.
             if ahead is None:
-                key, step_key = mx.random.split(key)
+                key, step_key = split(key)
                 ahead = plain_step(target, cache, mx.array([anchor]), params, step_key)
                 mx.async_eval([a for a in ahead if a is not None])
             token, features = ahead
@@ -298,7 +301,7 @@ def speculative_generate_step(
             start += 1
             cap = next_cap()
             if cap == 0 and produced < max_tokens:
-                key, step_key = mx.random.split(key)
+                key, step_key = split(key)
                 ahead = plain_step(target, cache, token, params, step_key)
                 mx.async_eval([a for a in ahead if a is not None])
             anchor = token.item()
