@@ -189,6 +189,8 @@ def build_drafter(
         ) from None
     dequantize_on_cpu(drafter)
     mx.eval(drafter.parameters())
+    if drafter.markov_head is not None:
+        drafter.compile_greedy_chain()
     return drafter
 
 
