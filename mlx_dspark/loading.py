@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+import struct
 from pathlib import Path
 
 import mlx.core as mx
@@ -53,6 +54,86 @@ def read_config(path: Path) -> dict:
         return json.loads(config_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise DSparkError(f"{config_file} is not valid JSON.") from None
+
+
+def check_safetensors(file: Path) -> None:
+    """Refuse a safetensors file whose header or data is cut short or garbled.
+
+    Reads only the header: the file must be exactly as long as the header's
+    last tensor says, so a truncated copy is caught before MLX reads it.
+    """
+    bad = DSparkError(f"{file} is truncated or not a valid safetensors file.")
+    size = file.stat().st_size
+    with open(file, "rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            raise bad
+        (header_size,) = struct.unpack("<Q", prefix)
+        if header_size > size - 8:
+            raise bad
+        try:
+            header = json.loads(handle.read(header_size))
+            end = max(
+                (
+                    v["data_offsets"][1]
+                    for k, v in header.items()
+                    if k != "__metadata__"
+                ),
+                default=0,
+            )
+        except (ValueError, TypeError, KeyError, IndexError, UnicodeDecodeError):
+            raise bad from None
+    if 8 + header_size + end != size:
+        raise bad
+
+
+def check_json_files(path: Path, names: tuple[str, ...]) -> None:
+    for name in names:
+        file = path / name
+        if not file.is_file():
+            continue
+        try:
+            json.loads(file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise DSparkError(f"{file} is not valid JSON.") from None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def load_target(
+    path_or_repo: str | Path, tokenizer_config: dict | None = None
+) -> tuple[Path, dict, nn.Module, object]:
+    """Load an mlx-lm target: ``(path, config, model, tokenizer)``.
+
+    A broken directory (missing or garbled config, tokenizer or weights,
+    weights that do not fit the config) is refused with one sentence naming
+    what is wrong, never with mlx-lm's own traceback.
+    """
+    from mlx_lm.utils import load as mlx_lm_load
+
+    path = resolve_path(path_or_repo, "model")
+    config = read_config(path)
+    weight_files = sorted(path.glob("model*.safetensors"))
+    if not weight_files:
+        raise DSparkError(
+            f"{path} has no model.safetensors weights (model*.safetensors)."
+        )
+    for file in weight_files:
+        check_safetensors(file)
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise DSparkError(f"{path} has no tokenizer ({', '.join(TOKENIZER_FILES)}).")
+    check_json_files(path, ("tokenizer.json", "tokenizer_config.json", "vocab.json"))
+    try:
+        model, tokenizer = mlx_lm_load(str(path), tokenizer_config=tokenizer_config)
+    except Exception as error:
+        reason = str(error).strip().splitlines()[0].rstrip(".") or type(error).__name__
+        if isinstance(error, ValueError) and "parameter" in reason:
+            raise DSparkError(
+                f"The weights in {path} do not fit its config.json ({reason})."
+            ) from None
+        raise DSparkError(f"Could not load the model at {path} ({reason}).") from None
+    return path, config, model, tokenizer
 
 
 def read_weights(path: Path) -> dict[str, mx.array]:
@@ -257,8 +338,6 @@ def load(
     With no ``target`` this loads the built-in default pair
     (SmolLM2-135M-Instruct and the shipped drafter, see ``default.py``).
     """
-    from mlx_lm.utils import load as mlx_lm_load
-
     if target is None:
         if draft_model is not None:
             raise DSparkError(
@@ -268,16 +347,7 @@ def load(
         from .default import default_pair
 
         target, draft_model = default_pair()
-    target_path = resolve_path(target, "model")
-    read_config(target_path)
-    try:
-        model, tokenizer = mlx_lm_load(
-            str(target_path), tokenizer_config=tokenizer_config
-        )
-    except (ValueError, FileNotFoundError, OSError) as error:
-        raise DSparkError(
-            f"Could not load the model at {target_path}: {error}"
-        ) from None
+    _, _, model, tokenizer = load_target(target, tokenizer_config)
     if draft_model is None:
         return model, tokenizer, None
     drafter = load_drafter(draft_model, model)

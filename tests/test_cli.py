@@ -1,6 +1,7 @@
 """The mlx_dspark.generate command: output, flags and user errors."""
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -144,5 +145,12 @@ def test_missing_paths_and_broken_files(pair, tmp_path):
     bad = run("--model", target, "--draft-model", str(broken), "-p", "t1")
     assert bad.returncode == 1 and "not valid JSON" in bad.stderr
     assert "Traceback" not in bad.stderr
+    truncated = tmp_path / "truncated"
+    shutil.copytree(target, truncated)
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    cut = run("--model", str(truncated), "--draft-model", drafter, "-p", "t1")
+    assert cut.returncode == 1 and "is truncated" in cut.stderr
+    assert "Traceback" not in cut.stderr and len(cut.stderr.strip().splitlines()) == 1
     unknown = run("--model", target, "--no-such-flag")
     assert unknown.returncode != 0 and "Traceback" not in unknown.stderr
