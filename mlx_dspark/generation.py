@@ -64,7 +64,11 @@ def _target_only_tokens(model, prompt, params: SamplingParams, max_tokens: int, 
     if seed is not None:
         mx.random.seed(seed)
     sampler = make_sampler(
-        params.temperature, params.top_p, params.min_p, top_k=params.top_k
+        params.temperature,
+        params.top_p,
+        params.min_p,
+        params.min_tokens_to_keep,
+        top_k=params.top_k,
     )
     for token, _ in generate_step(
         prompt, model, max_tokens=max_tokens, sampler=sampler
@@ -88,6 +92,8 @@ def stream_generate(
     scheduler: str | None = None,
     profile: str = "auto",
     tree_budget: int = 0,
+    min_tokens_to_keep: int = 1,
+    prefill_step_size: int = 512,
 ) -> Generator[DSparkResponse, None, None]:
     """Like ``mlx_lm.stream_generate``; ``drafter=None`` decodes with the target alone.
 
@@ -99,6 +105,8 @@ def stream_generate(
 
     ``tree_budget`` > 0 drafts a tree of that many nodes per round instead of
     a chain (``num_draft`` then bounds its depth); 0 drafts a chain.
+    ``min_tokens_to_keep`` and ``prefill_step_size`` mean what they mean in
+    mlx-lm (min-p filter, prompt tokens per prefill forward).
     """
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
@@ -110,7 +118,7 @@ def stream_generate(
         )
     if tree_budget < 0:
         raise DSparkError(f"tree_budget must be >= 0, got {tree_budget}.")
-    params = SamplingParams(temperature, top_p, top_k, min_p)
+    params = SamplingParams(temperature, top_p, top_k, min_p, min_tokens_to_keep)
     prompt = _encode(tokenizer, prompt)
 
     stats = telemetry = None
@@ -141,6 +149,7 @@ def stream_generate(
             mode=mode,
             seed=seed,
             stats=stats,
+            prefill_step_size=prefill_step_size,
         )
 
     detokenizer = tokenizer.detokenizer

@@ -22,6 +22,8 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    # As mlx-lm's: the min-p filter always keeps this many of the top tokens.
+    min_tokens_to_keep: int = 1
 
     def __post_init__(self):
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -32,6 +34,10 @@ class SamplingParams:
             raise DSparkError(f"top_k must be >= 0, got {self.top_k}.")
         if not 0.0 <= self.min_p <= 1.0:
             raise DSparkError(f"min_p must be in [0, 1], got {self.min_p}.")
+        if self.min_tokens_to_keep < 1:
+            raise DSparkError(
+                f"min_tokens_to_keep must be >= 1, got {self.min_tokens_to_keep}."
+            )
 
     @property
     def greedy(self) -> bool:
@@ -48,9 +54,13 @@ def _top_p(logprobs: mx.array, top_p: float) -> mx.array:
     return mx.where(logprobs < threshold, -mx.inf, logprobs)
 
 
-def _min_p(logprobs: mx.array, min_p: float) -> mx.array:
+def _min_p(logprobs: mx.array, min_p: float, keep: int = 1) -> mx.array:
     floor = logprobs.max(axis=-1, keepdims=True) + math.log(min_p)
-    return mx.where(logprobs < floor, -mx.inf, logprobs)
+    dropped = logprobs < floor
+    if keep > 1:
+        top = mx.argpartition(logprobs, kth=-keep, axis=-1)[..., -keep:]
+        dropped = mx.put_along_axis(dropped, top, mx.array(False), axis=-1)
+    return mx.where(dropped, -mx.inf, logprobs)
 
 
 def _top_k(logprobs: mx.array, top_k: int) -> mx.array:
@@ -69,7 +79,7 @@ def log_probs(logits: mx.array, params: SamplingParams) -> mx.array:
     if 0.0 < params.top_p < 1.0:
         logprobs = _top_p(logprobs, params.top_p)
     if params.min_p > 0.0:
-        logprobs = _min_p(logprobs, params.min_p)
+        logprobs = _min_p(logprobs, params.min_p, params.min_tokens_to_keep)
     if params.top_k > 0:
         logprobs = _top_k(logprobs, params.top_k)
     scaled = logprobs * (1.0 / params.temperature)
