@@ -16,6 +16,7 @@ import importlib
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from .errors import DSparkError, run_cli
 from .policies import SCHEDULERS
@@ -367,6 +368,9 @@ def _run_mlx_lm(args: argparse.Namespace, explicit: set[str]) -> None:
             "--image cannot combine with --draft-model: mlx-lm's speculative "
             "decoding does not take image inputs."
         )
+    missing = [f for f in args.image if not Path(f).is_file()]
+    if missing:
+        raise DSparkError(f"--image {missing[0]} does not exist.")
     num_draft = _num_draft(args, explicit)
     if args.seed is not None:
         mx.random.seed(args.seed)

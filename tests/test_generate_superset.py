@@ -274,8 +274,24 @@ def test_refusals_without_a_dspark_drafter(setup):
     t = setup["target"]
     refused(ours("--model", t, "--dspark-tree", "3"), "--dspark-tree")
     refused(ours("--model", t, "--dspark-n-draft", "3"), "--dspark-n-draft")
-    refused(ours("--model", t, "--image", "a.png"), "--image")
+    refused(ours("--model", t, "--image", "a.png"), "--image a.png does not exist")
+    image = setup["root"] / "a.png"
+    image.write_bytes(b"")
+    line = refused(ours("--model", t, "--image", str(image)), "--image")
+    assert "does not take images" in line
     refused(ours("--model", t, "--draft-model", t, "--image", "a.png"), "--image")
+
+
+def test_mismatched_models_are_one_sentence(setup):
+    t, d = setup["target"], setup["drafter"]
+    other_vocab, _ = build_structured_pair(
+        setup["root"] / "v40", PairSpec(vocab_size=40)
+    )
+    line = refused(ours("--model", t, "--draft-model", str(other_vocab)), "tokenizer")
+    assert "--draft-model" in line
+    line = refused(ours("--model", str(other_vocab), "--draft-model", d), "vocabulary")
+    missing = ours("--model", t, "--draft-model", str(setup["root"] / "none"))
+    refused(missing, "does not exist")
 
 
 def test_min_tokens_to_keep_matches_mlx_lm_min_p():
