@@ -200,7 +200,9 @@ def test_prefill_response_system_prompt_and_chat_template(setup):
     args = ["--model", chat, "-p", "t1 t2", "-m", "16", "--verbose", "false"]
     for extra in ([], ["--prefill-response", "t5 t6"], ["--system-prompt", "t7"]):
         expected = text_of(mlx_lm(*args, *extra))
-        assert text_of(ours(*args, "--draft-model", d, *extra)) == expected
+        # mlx-lm's output does not change with them either.
+    assert text_of(mlx_lm(*args, *extra)) == expected
+    assert text_of(ours(*args, "--draft-model", d, *extra)) == expected
     assert text_of(mlx_lm(*args, "--prefill-response", "t5 t6")) != text_of(
         mlx_lm(*args)
     )
@@ -229,6 +231,8 @@ def test_flags_that_do_not_change_the_output_are_accepted(setup):
         "--use-default-chat-template",
         "--quantize-activations",
     ]
+    # mlx-lm's output does not change with them either.
+    assert text_of(mlx_lm(*args, *extra)) == expected
     assert text_of(ours(*args, "--draft-model", d, *extra)) == expected
 
 
