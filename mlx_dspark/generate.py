@@ -208,11 +208,6 @@ def _refuse_for_dspark(args: argparse.Namespace) -> None:
             "--prompt-cache-file holds only the target's KV cache, not the hidden "
             "states a DSpark drafter reads, so it cannot be used with one."
         )
-    if args.xtc_probability > 0 and args.temp > 0:
-        raise DSparkError(
-            "--xtc-probability is not supported with a DSpark drafter: exact "
-            "speculative sampling here does not implement XTC."
-        )
 
 
 def _refuse_after_prompt(args: argparse.Namespace, prompt_tokens: int) -> None:
@@ -260,6 +255,11 @@ def _build_prompt(tokenizer, args: argparse.Namespace, suffix_only: bool = False
         marker = tokenizer.apply_chat_template(messages, **template)
         text = text[marker.index("<query>") :]
     return text, False
+
+
+def _xtc_special_tokens(tokenizer) -> list[int]:
+    """The tokens XTC never drops, as ``mlx_lm.generate`` chooses them."""
+    return tokenizer.encode("\n") + list(tokenizer.eos_token_ids)
 
 
 def _load_kwargs(args: argparse.Namespace, tokenizer_config: dict | None = None):
@@ -342,6 +342,9 @@ def _run_dspark(args: argparse.Namespace, explicit: set[str]) -> None:
         profile=args.dspark_profile,
         tree_budget=args.dspark_tree,
         prefill_step_size=args.prefill_step_size,
+        xtc_probability=args.xtc_probability,
+        xtc_threshold=args.xtc_threshold,
+        xtc_special_tokens=_xtc_special_tokens(tokenizer),
     )
     text = _print_dspark(responses, args.verbose)
     if not args.verbose:
@@ -443,7 +446,7 @@ def _run_mlx_lm(args: argparse.Namespace, explicit: set[str]) -> None:
         top_k=args.top_k,
         xtc_probability=args.xtc_probability,
         xtc_threshold=args.xtc_threshold,
-        xtc_special_tokens=tokenizer.encode("\n") + list(tokenizer.eos_token_ids),
+        xtc_special_tokens=_xtc_special_tokens(tokenizer),
     )
     kwargs = {
         "max_tokens": args.max_tokens,

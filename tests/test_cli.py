@@ -120,7 +120,10 @@ def test_no_model_uses_the_built_in_default_pair():
         (["--temp", "-1"], "--temp must be >= 0"),
         (["--top-p", "2"], "--top-p must be in"),
         (["--max-tokens", "0"], "--max-tokens must be at least 1"),
-        (["--dspark-confidence-threshold", "1.5"], "--dspark-confidence-threshold must be in"),
+        (
+            ["--dspark-confidence-threshold", "1.5"],
+            "--dspark-confidence-threshold must be in",
+        ),
         (["--verbose", "maybe"], "--verbose expects"),
         (["--chat-template-config", "{"], "not valid JSON"),
     ],

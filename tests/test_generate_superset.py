@@ -257,7 +257,6 @@ def test_prompt_cache_file_without_a_dspark_drafter(setup):
     "args, flag",
     [
         (["--image", "a.png"], "--image"),
-        (["--xtc-probability", "0.5", "--temp", "1"], "--xtc-probability"),
         (["--max-kv-size", "20"], "--max-kv-size"),
         (["--kv-bits", "4", "--quantized-kv-start", "50"], "--kv-bits"),
         (["--max-tokens", "-1", "--max-kv-size", "4096"], "--max-kv-size"),
@@ -313,3 +312,67 @@ def test_min_tokens_to_keep_matches_mlx_lm_min_p():
         theirs_kept = mx.isfinite(apply_min_p(logprobs, 0.3, keep))
         assert mx.array_equal(ours_kept, theirs_kept).item()
         assert (ours_kept.sum(axis=-1) >= keep).all().item()
+
+
+def test_xtc_matches_mlx_lm_apply_xtc():
+    import mlx.core as mx
+    from mlx_lm.sample_utils import apply_xtc
+
+    from mlx_dspark.sampling import SamplingParams, log_probs
+
+    mx.random.seed(2)
+    logits = 2 * mx.random.normal((6, 40))
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    special = (0, 5)
+
+    def tempered(x, temp):
+        return mx.softmax(x / temp, axis=-1)
+
+    for temp in (0.7, 1.0):
+        plain = tempered(logprobs, temp)
+        # mlx-lm with its coin always saying "apply": the cut distribution.
+        cut = tempered(apply_xtc(logprobs, 1.0, 0.1, list(special)), temp)
+        assert (mx.isinf(mx.log(cut)).sum() > 0).item()
+        for chance in (0.0, 0.4, 1.0):
+            params = SamplingParams(temp, 1.0, 0, 0.0, 1, chance, 0.1, special)
+            ours_probs = mx.exp(log_probs(logits, params))
+            expected = (1 - chance) * plain + chance * cut
+            assert mx.allclose(ours_probs, expected, atol=1e-6).item()
+
+
+def test_xtc_sampling_with_a_drafter_is_exact(pair_factory):
+    from test_sampling import (
+        SEEDS,
+        chi_square,
+        chi_square_critical,
+        exact_joint,
+        sample_first_three,
+    )
+
+    from mlx_dspark.sampling import SamplingParams
+
+    model, _, drafter, *_ = pair_factory(
+        markov_head_type="vanilla", sharpness=0.6, block_size=4
+    )
+    params = SamplingParams(1.0, xtc_probability=0.5, xtc_threshold=0.05)
+    joint = exact_joint(model, params)
+    plain = exact_joint(model, SamplingParams(1.0))
+    assert abs(sum(joint.values()) - 1.0) < 1e-4
+    assert sum(abs(joint.get(k, 0) - plain.get(k, 0)) for k in plain) > 0.1
+    samples, _ = sample_first_three(model, drafter, params)
+    stat, dof = chi_square(samples, joint, SEEDS)
+    assert dof >= 5
+    assert stat < chi_square_critical(dof), (stat, dof)
+    # The test can fail: the same samples do not fit plain sampling.
+    stat, dof = chi_square(samples, plain, SEEDS)
+    assert stat > chi_square_critical(dof)
+
+
+def test_xtc_flags_run_with_a_dspark_drafter(setup):
+    t, d = setup["target"], setup["drafter"]
+    args = ["--model", t, "--draft-model", d, "-p", "t1 t2", "-m", "20"]
+    args += ["--temp", "1", "--seed", "3", "--verbose", "false"]
+    plain = text_of(ours(*args))
+    xtc = ["--xtc-probability", "1", "--xtc-threshold", "0.05"]
+    first, second = text_of(ours(*args, *xtc)), text_of(ours(*args, *xtc))
+    assert first == second != plain
