@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
 import json
 import sys
 from collections.abc import Sequence
@@ -278,11 +279,14 @@ def _print_dspark(responses, show: bool) -> str:
     """Print like ``mlx_lm.generate.generate``, plus the DSpark statistics."""
     from .generation import format_stats
 
+    # The first response comes before any output: the generator checks its
+    # arguments (scheduler, policy) when it starts.
+    responses = iter(responses)
+    first = next(responses)
     if show:
         print("=" * 10)
     text = ""
-    response = None
-    for response in responses:
+    for response in itertools.chain([first], responses):
         if show:
             print(response.text, end="", flush=True)
         text += response.text

@@ -265,6 +265,10 @@ def test_prompt_cache_file_without_a_dspark_drafter(setup):
         (["--xtc-probability", "2"], "--xtc-probability"),
         (["--kv-bits", "7"], "--kv-bits"),
         (["--dspark-scheduler", "sometimes"], "--dspark-scheduler"),
+        (
+            ["--dspark-confidence-threshold", "0.5", "--dspark-scheduler", "off"],
+            "--dspark-scheduler",
+        ),
         (["--max-tokens", "x"], "--max-tokens"),
     ],
 )
