@@ -48,7 +48,8 @@ def _verbose(value: str) -> bool:
 
 
 def _action(parser: argparse.ArgumentParser, flag: str) -> argparse.Action:
-    return parser._option_string_actions[flag]
+    # A throwaway action when a future mlx-lm drops the flag.
+    return parser._option_string_actions.get(flag) or argparse.Action([flag], "_")
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -108,15 +109,76 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The mlx-lm flags this command handles (by ``dest``), with mlx-lm's defaults
+# for any that a future mlx-lm drops.
+MLX_LM_FLAGS = {
+    "model": None,
+    "trust_remote_code": False,
+    "adapter_path": None,
+    "extra_eos_token": (),
+    "system_prompt": None,
+    "prompt": "hello",
+    "image": (),
+    "prefill_response": None,
+    "max_tokens": 100,
+    "temp": 0.0,
+    "top_p": 1.0,
+    "min_p": 0.0,
+    "top_k": 0,
+    "xtc_probability": 0.0,
+    "xtc_threshold": 0.1,
+    "min_tokens_to_keep": 1,
+    "seed": None,
+    "ignore_chat_template": False,
+    "use_default_chat_template": False,
+    "chat_template_config": None,
+    "verbose": True,
+    "max_kv_size": None,
+    "prefill_step_size": 2048,
+    "prompt_cache_file": None,
+    "quantize_activations": False,
+    "kv_bits": None,
+    "kv_group_size": 64,
+    "quantized_kv_start": 5000,
+    "draft_model": None,
+    "num_draft_tokens": 3,
+}
+
+
+def refuse_unknown(parser: argparse.ArgumentParser, explicit: set[str]) -> None:
+    """Refuse a given flag this command does not handle (one of a newer mlx-lm)."""
+    ours = set(MLX_LM_FLAGS) | {
+        a.dest
+        for g in parser._action_groups
+        if g.title == "DSpark"
+        for a in g._group_actions
+    }
+    for action in parser._actions:
+        if action.dest in explicit and action.dest not in ours:
+            raise DSparkError(
+                f"{action.option_strings[0]} (from this mlx-lm version) is not "
+                "supported by mlx_dspark.generate yet."
+            )
+
+
 def parse_args(
     argv: Sequence[str] | None = None,
 ) -> tuple[argparse.Namespace, set[str]]:
-    """The arguments and the set of flags given explicitly (their ``dest``)."""
-    args = setup_arg_parser().parse_args(argv)
+    """The arguments and the set of flags given explicitly (their ``dest``).
+
+    A flag of a newer mlx-lm that this command does not know yet is refused
+    when given, rather than silently ignored.
+    """
+    parser = setup_arg_parser()
+    args = parser.parse_args(argv)
     probe = setup_arg_parser()
     for action in probe._actions:
         action.default = argparse.SUPPRESS
     explicit = set(vars(probe.parse_args(argv)))
+    refuse_unknown(parser, explicit)
+    for dest, default in MLX_LM_FLAGS.items():
+        if not hasattr(args, dest):
+            setattr(args, dest, default)
     return args, explicit
 
 

@@ -101,12 +101,29 @@ def test_every_mlx_lm_flag_is_accepted_and_documented():
     mine = set(setup_arg_parser()._option_string_actions)
     assert theirs <= mine
     assert {"--dspark-n-draft", "--dspark-tree", "--num-draft-tokens"} <= mine
+    # Every flag of the installed mlx-lm is handled, none refused as unknown.
+    from mlx_dspark.generate import MLX_LM_FLAGS
+
+    their_dests = {a.dest for a in _mlx_lm_generate().setup_arg_parser()._actions}
+    assert their_dests - {"help"} <= set(MLX_LM_FLAGS)
     their_help = text_of(mlx_lm("--help"))
     our_help = text_of(ours("--help"))
     flags = set(re.findall(r"(?<![\w-])--[a-z][a-z-]+", their_help))
     assert len(flags) >= 30
     assert flags <= set(re.findall(r"(?<![\w-])--[a-z][a-z-]+", our_help))
     assert "DSpark:" in our_help
+
+
+def test_a_flag_of_a_newer_mlx_lm_is_refused_not_ignored():
+    from mlx_dspark.errors import DSparkError
+    from mlx_dspark.generate import refuse_unknown, setup_arg_parser
+
+    parser = setup_arg_parser()
+    refuse_unknown(parser, {"model", "temp", "dspark_tree"})
+    parser.add_argument("--future-flag", type=int)
+    refuse_unknown(parser, {"model"})
+    with pytest.raises(DSparkError, match="--future-flag"):
+        refuse_unknown(parser, {"model", "future_flag"})
 
 
 def test_greedy_dspark_output_is_mlx_lm_output(setup):
