@@ -167,9 +167,8 @@ def is_dspark_drafter(path_or_repo: str | Path) -> bool:
     rather than an ordinary mlx-lm model for mlx-lm's own speculative decoding."""
     config = read_config(resolve_path(path_or_repo, "draft model"))
     architectures = config.get("architectures") or []
-    return any("DSpark" in str(a) for a in architectures) or (
-        "speculators_config" in config
-    )
+    speculators = "speculators_model_type" in config or "speculators_config" in config
+    return speculators or any("DSpark" in str(a) for a in architectures)
 
 
 def read_weights(path: Path) -> dict[str, mx.array]:
@@ -354,7 +353,13 @@ def load_drafter(
 ) -> DSparkDrafter:
     """Load a DeepSpec-format (or converted MLX) drafter, optionally for ``target``."""
     path = resolve_path(path_or_repo, "drafter")
-    config = DraftConfig.from_dict(read_config(path))
+    raw = read_config(path)
+    if "speculators_model_type" in raw or "speculators_config" in raw:
+        raise DSparkError(
+            f"{path} is a vLLM speculators checkpoint; convert it first with "
+            f"mlx_dspark.convert --draft-model {path_or_repo} --out DIR."
+        )
+    config = DraftConfig.from_dict(raw)
     adapter = None
     if target is not None:
         adapter = TargetAdapter(target, config.target_layer_ids)

@@ -316,6 +316,14 @@ def test_mismatched_models_are_one_sentence(setup):
     line = refused(ours("--model", str(other_vocab), "--draft-model", d), "vocabulary")
     missing = ours("--model", t, "--draft-model", str(setup["root"] / "none"))
     refused(missing, "does not exist")
+    # A vLLM speculators DSpark checkpoint is a drafter, not an mlx-lm model.
+    speculators = setup["root"] / "speculators"
+    shutil.copytree(d, speculators)
+    config = json.loads((speculators / "config.json").read_text())
+    config = {"speculators_model_type": "dspark", **config, "architectures": []}
+    (speculators / "config.json").write_text(json.dumps(config))
+    line = refused(ours("--model", t, "--draft-model", str(speculators)), "convert")
+    assert "speculators" in line
 
 
 def test_min_tokens_to_keep_matches_mlx_lm_min_p():
