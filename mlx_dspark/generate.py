@@ -80,30 +80,35 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "--dspark-n-draft",
         type=int,
         default=None,
+        metavar="N",
         help="Drafts per round, at most the drafter's block size (default: "
-        "the block size).",
+        "chosen by --dspark-scheduler, up to the block size).",
     )
     group.add_argument(
         "--dspark-confidence-threshold",
         type=float,
         default=0.0,
+        metavar="C",
         help="Cut drafts at the first confidence below this (0 = off).",
     )
     group.add_argument(
         "--dspark-scheduler",
         default=None,
+        metavar="MODE",
         help=f"{' | '.join(SCHEDULERS)} (default: chosen from the pair's "
         "calibration and cost profile, see the README).",
     )
     group.add_argument(
         "--dspark-profile",
         default="auto",
+        metavar="MODE",
         help="auto (use the cached cost profile) | refresh (re-measure it).",
     )
     group.add_argument(
         "--dspark-tree",
         type=int,
         default=0,
+        metavar="BUDGET",
         help="Draft a tree of this many nodes per round (0 = a chain).",
     )
     return parser
