@@ -325,6 +325,16 @@ def _build_prompt(tokenizer, args: argparse.Namespace, suffix_only: bool = False
     return text, False
 
 
+def _add_eos_tokens(tokenizer, tokens: Sequence[str]) -> None:
+    for token in tokens:
+        try:
+            tokenizer.add_eos_token(token)
+        except ValueError:
+            raise DSparkError(
+                f"--extra-eos-token {token!r} is not a token of this tokenizer."
+            ) from None
+
+
 def _xtc_special_tokens(tokenizer) -> list[int]:
     """The tokens XTC never drops, as ``mlx_lm.generate`` chooses them."""
     return tokenizer.encode("\n") + list(tokenizer.eos_token_ids)
@@ -374,8 +384,7 @@ def _run_dspark(args: argparse.Namespace, explicit: set[str]) -> None:
     _refuse_for_dspark(args)
     default_pair = args.model is None
     model, tokenizer, drafter = load(args.model, args.draft_model, **_load_kwargs(args))
-    for token in args.extra_eos_token:
-        tokenizer.add_eos_token(token)
+    _add_eos_tokens(tokenizer, args.extra_eos_token)
     text, raw = _build_prompt(tokenizer, args)
     tokens = tokenizer.encode(text, add_special_tokens=raw)
     _refuse_after_prompt(args, len(tokens))
@@ -479,8 +488,7 @@ def _run_mlx_lm(args: argparse.Namespace, explicit: set[str]) -> None:
     _, config, model, tokenizer = load_target(
         args.model, **_load_kwargs(args, tokenizer_config)
     )
-    for token in args.extra_eos_token:
-        tokenizer.add_eos_token(token)
+    _add_eos_tokens(tokenizer, args.extra_eos_token)
     text, raw = _build_prompt(tokenizer, args, suffix_only=prompt_cache is not None)
     input_embeddings = None
     if args.image:
