@@ -102,13 +102,20 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 def load_target(
-    path_or_repo: str | Path, tokenizer_config: dict | None = None
+    path_or_repo: str | Path,
+    tokenizer_config: dict | None = None,
+    *,
+    adapter_path: str | Path | None = None,
+    model_config: dict | None = None,
+    trust_remote_code: bool = False,
 ) -> tuple[Path, dict, nn.Module, object]:
     """Load an mlx-lm target: ``(path, config, model, tokenizer)``.
 
-    A broken directory (missing or garbled config, tokenizer or weights,
-    weights that do not fit the config) is refused with one sentence naming
-    what is wrong, never with mlx-lm's own traceback.
+    ``adapter_path`` (LoRA/DoRA adapters), ``model_config`` and
+    ``trust_remote_code`` are passed to ``mlx_lm.utils.load`` as is. A broken
+    directory (missing or garbled config, tokenizer or weights, weights that
+    do not fit the config) is refused with one sentence naming what is wrong,
+    never with mlx-lm's own traceback.
     """
     from mlx_lm.utils import load as mlx_lm_load
 
@@ -124,8 +131,16 @@ def load_target(
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise DSparkError(f"{path} has no tokenizer ({', '.join(TOKENIZER_FILES)}).")
     check_json_files(path, ("tokenizer.json", "tokenizer_config.json", "vocab.json"))
+    if adapter_path is not None:
+        check_adapter(Path(adapter_path).expanduser())
     try:
-        model, tokenizer = mlx_lm_load(str(path), tokenizer_config=tokenizer_config)
+        model, tokenizer = mlx_lm_load(
+            str(path),
+            tokenizer_config=tokenizer_config,
+            model_config=model_config,
+            adapter_path=None if adapter_path is None else str(adapter_path),
+            trust_remote_code=trust_remote_code,
+        )
     except Exception as error:
         reason = str(error).strip().splitlines()[0].rstrip(".") or type(error).__name__
         if isinstance(error, ValueError) and "parameter" in reason:
@@ -134,6 +149,26 @@ def load_target(
             ) from None
         raise DSparkError(f"Could not load the model at {path} ({reason}).") from None
     return path, config, model, tokenizer
+
+
+def check_adapter(path: Path) -> None:
+    """Refuse an adapter directory mlx-lm could not load, in one sentence."""
+    if not path.is_dir():
+        raise DSparkError(f"The adapter path {path} is not a directory.")
+    for name in ("adapter_config.json", "adapters.safetensors"):
+        if not (path / name).is_file():
+            raise DSparkError(f"The adapter path {path} has no {name}.")
+    check_json_files(path, ("adapter_config.json",))
+    check_safetensors(path / "adapters.safetensors")
+
+
+def is_dspark_drafter(path_or_repo: str | Path) -> bool:
+    """Whether a draft model is a DSpark drafter (by its config's architectures),
+    rather than an ordinary mlx-lm model for mlx-lm's own speculative decoding."""
+    config = read_config(resolve_path(path_or_repo, "draft model"))
+    architectures = config.get("architectures") or []
+    speculators = "speculators_model_type" in config or "speculators_config" in config
+    return speculators or any("DSpark" in str(a) for a in architectures)
 
 
 def read_weights(path: Path) -> dict[str, mx.array]:
@@ -318,7 +353,13 @@ def load_drafter(
 ) -> DSparkDrafter:
     """Load a DeepSpec-format (or converted MLX) drafter, optionally for ``target``."""
     path = resolve_path(path_or_repo, "drafter")
-    config = DraftConfig.from_dict(read_config(path))
+    raw = read_config(path)
+    if "speculators_model_type" in raw or "speculators_config" in raw:
+        raise DSparkError(
+            f"{path} is a vLLM speculators checkpoint; convert it first with "
+            f"mlx_dspark.convert --draft-model {path_or_repo} --out DIR."
+        )
+    config = DraftConfig.from_dict(raw)
     adapter = None
     if target is not None:
         adapter = TargetAdapter(target, config.target_layer_ids)
@@ -332,11 +373,18 @@ def load(
     target: str | Path | None = None,
     draft_model: str | Path | None = None,
     tokenizer_config: dict | None = None,
+    *,
+    adapter_path: str | Path | None = None,
+    model_config: dict | None = None,
+    trust_remote_code: bool = False,
 ):
     """Load ``(model, tokenizer, drafter)``; ``drafter`` is None without ``draft_model``.
 
     With no ``target`` this loads the built-in default pair
     (SmolLM2-135M-Instruct and the shipped drafter, see ``default.py``).
+    ``adapter_path``, ``model_config`` and ``trust_remote_code`` apply to the
+    target, as in ``mlx_lm.load``; the drafter verifies against the adapted
+    target, so output stays the adapted target's own.
     """
     if target is None:
         if draft_model is not None:
@@ -347,7 +395,13 @@ def load(
         from .default import default_pair
 
         target, draft_model = default_pair()
-    _, _, model, tokenizer = load_target(target, tokenizer_config)
+    _, _, model, tokenizer = load_target(
+        target,
+        tokenizer_config,
+        adapter_path=adapter_path,
+        model_config=model_config,
+        trust_remote_code=trust_remote_code,
+    )
     if draft_model is None:
         return model, tokenizer, None
     drafter = load_drafter(draft_model, model)

@@ -116,11 +116,14 @@ def test_no_model_uses_the_built_in_default_pair():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--dspark-n-draft", "99"], "num_draft must be between 0"),
-        (["--temp", "-1"], "temperature must be >= 0"),
-        (["--top-p", "2"], "top_p must be in"),
-        (["--max-tokens", "0"], "max_tokens must be at least 1"),
-        (["--dspark-confidence-threshold", "1.5"], "confidence_threshold"),
+        (["--dspark-n-draft", "99"], "--dspark-n-draft must be between 0"),
+        (["--temp", "-1"], "--temp must be >= 0"),
+        (["--top-p", "2"], "--top-p must be in"),
+        (["--max-tokens", "0"], "--max-tokens must be at least 1"),
+        (
+            ["--dspark-confidence-threshold", "1.5"],
+            "--dspark-confidence-threshold must be in",
+        ),
         (["--verbose", "maybe"], "--verbose expects"),
         (["--chat-template-config", "{"], "not valid JSON"),
     ],
