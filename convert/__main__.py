@@ -10,6 +10,7 @@ import argparse
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from mlx_dspark.errors import DSparkError, run_cli
 
@@ -66,9 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     drafter.add_argument(
         "--to",
-        choices=["mlx", "deepspec"],
+        choices=["mlx", "deepspec", "speculators"],
         default="mlx",
-        help="output format (default mlx; deepspec writes a dequantized checkpoint)",
+        help="output format (default mlx); deepspec and speculators (vLLM, SGLang) "
+        "write float checkpoints, and only speculators holds a reduced draft vocabulary",
     )
     parser.add_argument(
         "--dtype",
@@ -161,7 +163,11 @@ def convert_drafter_cli(args: argparse.Namespace) -> None:
             args.draft_model, args.out, force=args.force, on_tensor=advance, **options
         )
     kind = f"{plan.bits}-bit MLX drafter" if plan.bits else f"{plan.to} drafter"
-    print(f"wrote {args.out} ({kind}, {plan.total_bytes / 2**20:.1f} MiB)")
+    written = sum(f.stat().st_size for f in Path(args.out).glob("*.safetensors"))
+    print(
+        f"wrote {args.out} ({kind}): {written / 2**20:.1f} MiB of weights "
+        f"from {plan.source_bytes / 2**20:.1f} MiB"
+    )
 
 
 def _main(argv: list[str] | None = None) -> None:

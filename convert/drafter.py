@@ -96,6 +96,37 @@ _SPECULATORS_ONLY = (
     "transformers_version",
 )
 PROVENANCE_KEY = "mlx_dspark_conversion"
+FORMATS = ("mlx", "deepspec", "speculators")
+# DSpark keys of a DeepSpec config; the rest describe the Qwen3 layer.
+_DSPARK_KEYS = (
+    "architectures",
+    "block_size",
+    "mask_token_id",
+    "target_layer_ids",
+    "num_anchors",
+    "num_target_layers",
+    "markov_rank",
+    "markov_head_type",
+    "enable_confidence_head",
+    "confidence_head_with_markov",
+    "draft_vocab_size",
+    "target_model",
+    PROVENANCE_KEY,
+)
+# DSpark keys a speculators config keeps at its top level.
+_SPECULATORS_DSPARK_KEYS = (
+    "block_size",
+    "mask_token_id",
+    "num_anchors",
+    "num_target_layers",
+    "markov_rank",
+    "markov_head_type",
+    "enable_confidence_head",
+    "confidence_head_with_markov",
+)
+# Files beside the weights that a conversion carries over.
+CALIBRATION_FILE = "dspark_calibration.json"
+TRAINING_RECORD = "training_record.json"
 
 
 # --------------------------------------------------------------------- sources
@@ -130,6 +161,14 @@ class DrafterSource:
     def float_dtype(self) -> str:
         dtypes = [t.dtype for t in self.tensors.values() if t.is_float]
         return max(set(dtypes), key=dtypes.count) if dtypes else "float32"
+
+    @property
+    def weights(self) -> str:
+        """The source's weights in words, e.g. ``4-bit`` or ``bfloat16``."""
+        bits = {t.quantized_bits for t in self.tensors.values() if t.quantized_bits}
+        if bits:
+            return "/".join(f"{b}-bit" for b in sorted(bits))
+        return self.float_dtype
 
 
 class _Files:
@@ -360,6 +399,33 @@ def speculators_config_to_deepspec(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def deepspec_config_to_speculators(
+    config: dict[str, Any], verifier: str | None
+) -> dict[str, Any]:
+    """The speculators ``dspark`` config of a DeepSpec one (the inverse of
+    :func:`speculators_config_to_deepspec`)."""
+    layer = {k: v for k, v in config.items() if k not in _DSPARK_KEYS}
+    layer["model_type"] = "qwen3"
+    layer["architectures"] = ["Qwen3ForCausalLM"]
+    out = {
+        "speculators_model_type": "dspark",
+        "architectures": ["DSparkSpeculator"],
+        "transformer_layer_config": layer,
+        "draft_vocab_size": config.get("draft_vocab_size", config["vocab_size"]),
+        "aux_hidden_state_layer_ids": [int(i) + 1 for i in config["target_layer_ids"]],
+        "target_hidden_size": config["hidden_size"],
+        "sample_from_anchor": True,
+        "speculators_config": {
+            "algorithm": "dspark",
+            "verifier": {"name_or_path": verifier, "architectures": []},
+        },
+    }
+    for key in _SPECULATORS_DSPARK_KEYS:
+        if key in config:
+            out[key] = config[key]
+    return out
+
+
 def draft_to_target_ids(
     d2t: np.ndarray, t2d: np.ndarray | None, vocab_size: int
 ) -> np.ndarray:
@@ -526,7 +592,7 @@ def tensor_digest(array: Any) -> str:
 class TensorPlan:
     name: str
     shape: tuple[int, ...]
-    action: str  # "quantize" / "float" / "int" / "drop"
+    action: str  # "quantize" / "float" / "int" / "vocab map" / "drop"
     dtype: str
     bits: int | None = None
     note: str = ""
@@ -537,6 +603,8 @@ class TensorPlan:
             return 0
         if self.action == "int":
             return 4 * n
+        if self.action == "vocab map":
+            return 8 * n
         if self.action == "quantize":
             groups = n // group_size
             return n * self.bits // 8 + 2 * groups * _DTYPE_BYTES[self.dtype]
@@ -546,7 +614,7 @@ class TensorPlan:
 @dataclass
 class DrafterPlan:
     source: DrafterSource
-    to: str  # "mlx" / "deepspec"
+    to: str  # "mlx" / "deepspec" / "speculators"
     config: dict[str, Any]
     tensors: list[TensorPlan]
     bits: int | None
@@ -574,12 +642,12 @@ def plan_drafter(
     to: str = "mlx",
 ) -> DrafterPlan:
     """Everything the conversion will do, decided before anything is written."""
-    if to not in ("mlx", "deepspec"):
-        raise DSparkError(f"--to {to} is not a known format; use mlx or deepspec.")
+    if to not in FORMATS:
+        raise DSparkError(f"--to {to} is not a known format; use {', '.join(FORMATS)}.")
     if (bits is not None or group_size is not None) and not quantize:
         raise DSparkError("--q-bits and --q-group-size need -q.")
-    if to == "deepspec" and quantize:
-        raise DSparkError("--to deepspec writes float weights and cannot take -q.")
+    if to != "mlx" and quantize:
+        raise DSparkError(f"--to {to} writes float weights and cannot take -q.")
     if quantize:
         bits = DEFAULT_BITS if bits is None else bits
         group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
@@ -596,33 +664,39 @@ def plan_drafter(
     target_io = read_target_io(target) if target is not None else None
     if target_io is not None:
         _check_target_shapes(source, target_io)
-    if to == "deepspec":
-        if "draft_vocab_size" in source.config:
-            raise DSparkError(
-                "DeepSpec checkpoints cannot hold a reduced draft vocabulary, so "
-                "this drafter cannot be exported to DeepSpec."
-            )
-        for name in SHARED:
-            if name not in source.tensors and target_io is None:
-                raise DSparkError(
-                    "The MLX drafter omits the target's embedding and LM head; "
-                    "pass --target to take them from the target model."
-                )
+    if to == "deepspec" and "draft_vocab_size" in source.config:
+        raise DSparkError(
+            "DeepSpec checkpoints cannot hold a reduced draft vocabulary, so this "
+            "drafter cannot be exported to DeepSpec; use --to speculators."
+        )
+    # DeepSpec checkpoints hold the embedding and LM head; speculators ones
+    # only the LM head (the embedding comes from the verifier).
+    needed = {"mlx": (), "deepspec": SHARED, "speculators": ("lm_head.weight",)}[to]
+    if target_io is None and any(name not in source.tensors for name in needed):
+        raise DSparkError(
+            "The MLX drafter omits the target's embedding and LM head; "
+            "pass --target to take them from the target model."
+        )
+    reduced = "draft_vocab_size" in source.config
     plans = []
     for name, tensor in source.tensors.items():
         plans.append(
-            _tensor_plan(name, tensor, quantize, bits, group_size, dtype, target_io, to)
+            _tensor_plan(
+                name, tensor, quantize, bits, group_size, dtype, target_io, to, reduced
+            )
         )
-    if to == "deepspec":
-        for name in SHARED:
-            if name not in source.tensors:
-                shape = _target_tensor(target_io, name).shape
-                plans.append(
-                    TensorPlan(name, shape, "float", dtype, note="from --target")
-                )
+    for name in needed:
+        if name not in source.tensors:
+            shape = _target_tensor(target_io, name).shape
+            plans.append(TensorPlan(name, shape, "float", dtype, note="from --target"))
     config = dict(source.config)
     if quantize:
         config["quantization"] = {"group_size": group_size, "bits": bits}
+    if to == "speculators":
+        verifier = config.get("target_model") or (
+            target_io.source_id if target_io is not None else None
+        )
+        config = deepspec_config_to_speculators(config, verifier)
     return DrafterPlan(
         source, to, config, plans, bits, group_size, dtype, target=target_io
     )
@@ -641,9 +715,20 @@ def _check_target_shapes(source: DrafterSource, target: TargetIO) -> None:
         )
 
 
-def _tensor_plan(name, tensor, quantize, bits, group_size, dtype, target, to):
+def _tensor_plan(name, tensor, quantize, bits, group_size, dtype, target, to, reduced):
     if name == "draft_to_target":
+        if to == "speculators":
+            note = "written as d2t offsets and a t2d mask"
+            return TensorPlan(name, tensor.shape, "vocab map", "int64", note=note)
         return TensorPlan(name, tensor.shape, "int", "int32")
+    if name == "embed_tokens.weight" and to == "speculators":
+        note = "left out (speculators take it from the verifier)"
+        return TensorPlan(name, tensor.shape, "drop", dtype, note=note)
+    if quantize and name == "lm_head.weight" and reduced:
+        # Over a reduced draft vocabulary it can never be the target's head.
+        if tensor.shape[-1] % group_size == 0:
+            note = "reduced draft vocabulary"
+            return TensorPlan(name, tensor.shape, "quantize", dtype, bits, note)
     if name in SHARED and to == "mlx":
         if target is None:
             return TensorPlan(name, tensor.shape, "float", dtype, note="kept")
@@ -678,8 +763,8 @@ def describe_plan(plan: DrafterPlan) -> str:
         f"{len(source.files)} file(s), {plan.source_bytes / mib:.2f} MiB)",
     ]
     lines += [f"note: {n}" for n in source.notes]
-    if plan.to == "deepspec":
-        lines.append(f"output: DeepSpec checkpoint, dequantized to {plan.dtype}")
+    if plan.to != "mlx":
+        lines.append(f"output: {_FORMAT_NAMES[plan.to]} checkpoint in {plan.dtype}")
     elif plan.bits:
         lines.append(
             f"output: MLX drafter, {plan.bits}-bit, group size {plan.group_size}, "
@@ -695,6 +780,7 @@ def describe_plan(plan: DrafterPlan) -> str:
             "quantize": f"{t.bits}-bit",
             "float": t.dtype,
             "int": "int32",
+            "vocab map": "int64",
             "drop": "left out",
         }[t.action]
         size = t.out_bytes(plan.group_size or 1) / mib
@@ -725,6 +811,11 @@ def _convert_one(plan: DrafterPlan, t: TensorPlan) -> dict[str, Any]:
         array = _target_tensor(plan.target, t.name).load()
     if t.action == "int":
         return {t.name: array.astype(mx.int32)}
+    if t.action == "vocab map":
+        ids = np.array(array).astype(np.int64)
+        t2d = np.zeros(plan.source.config["vocab_size"], dtype=bool)
+        t2d[ids] = True
+        return {"d2t": mx.array(ids - np.arange(ids.size)), "t2d": mx.array(t2d)}
     array = array.astype(getattr(mx, t.dtype))
     if t.action == "quantize":
         weight, scales, biases = mx.quantize(array, plan.group_size, plan.bits)
@@ -770,10 +861,13 @@ def _provenance(plan: DrafterPlan) -> dict[str, Any]:
     return record
 
 
+_FORMAT_NAMES = {"deepspec": "DeepSpec", "speculators": "vLLM speculators"}
+
+
 def _model_card(plan: DrafterPlan) -> str:
-    c = plan.config
-    if plan.to == "deepspec":
-        what = f"DeepSpec-format DSpark drafter ({plan.dtype})"
+    c = plan.source.config
+    if plan.to != "mlx":
+        what = f"{_FORMAT_NAMES[plan.to]}-format DSpark drafter ({plan.dtype})"
     elif plan.bits:
         what = f"{plan.bits}-bit MLX DSpark drafter (group size {plan.group_size})"
     else:
@@ -802,6 +896,14 @@ def _model_card(plan: DrafterPlan) -> str:
             f"- {', '.join(shared)} left out: they equal the target's and are "
             "taken from it at load time"
         )
+    if plan.to == "speculators":
+        lines += [
+            "",
+            "For vLLM / SGLang (speculators `dspark`); `mlx_dspark.convert "
+            "--draft-model THIS_DIRECTORY` converts it back.",
+            "",
+        ]
+        return "\n".join(lines)
     lines += [
         "",
         "```python",
@@ -886,6 +988,26 @@ def _finish(
     config[PROVENANCE_KEY] = _provenance(plan)
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     (tmp / "README.md").write_text(_model_card(plan))
+    _carry_files(plan.source, tmp)
+
+
+def _carry_files(source: DrafterSource, out: Path) -> None:
+    """Copy the training record and the calibration beside the new weights.
+
+    The calibration was fitted on the source's weights; it says so, since
+    other bit widths shift the confidences slightly.
+    """
+    record = source.path / TRAINING_RECORD
+    if record.is_file():
+        (out / TRAINING_RECORD).write_bytes(record.read_bytes())
+    calibration = source.path / CALIBRATION_FILE
+    if calibration.is_file():
+        try:
+            data = json.loads(calibration.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise DSparkError(f"{calibration} is not valid JSON.") from None
+        data["measured_with"] = data.get("measured_with") or f"{source.weights} weights"
+        (out / CALIBRATION_FILE).write_text(json.dumps(data, indent=1))
 
 
 __all__ = [

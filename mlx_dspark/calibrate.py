@@ -291,6 +291,15 @@ def _cli(
 
     from .loading import load
 
+    if rounds < 1:
+        raise DSparkError(f"--rounds must be at least 1, got {rounds}.")
+    if max_tokens < 2:
+        raise DSparkError(
+            f"--max-tokens must be at least 2 (a round needs a token to verify), "
+            f"got {max_tokens}."
+        )
+    if temp < 0:
+        raise DSparkError(f"--temp must be >= 0, got {temp}.")
     texts = None
     if prompts is not None:
         try:

@@ -239,6 +239,7 @@ class CalibrationResult:
     n_bins: int = 15
     reliability_before: list[list[list[float]]] = field(default_factory=list)
     reliability_after: list[list[list[float]]] = field(default_factory=list)
+    measured_with: str | None = None  # the drafter weights, when converted since
 
     def save(self, path: str | Path) -> None:
         data = asdict(self)

@@ -149,6 +149,7 @@ class DSparkDrafter(nn.Module):
             self.freeze(keys=["draft_to_target"], recurse=False)
         self._shared_embed: Callable | None = None
         self._shared_head: Callable | None = None
+        self._compiled_chain: Callable | None = None
 
     @property
     def block_size(self) -> int:
@@ -307,28 +308,51 @@ class DSparkDrafter(nn.Module):
                     [sample(corrected[:, k], params, keys[k]) for k in range(n)],
                     axis=1,
                 )
+        elif params.greedy:
+            chain = self._compiled_chain or self.greedy_chain
+            tokens, corrected = chain(base, hidden, anchor)
+            corrected = self.to_target(corrected)
         else:
             head = self.markov_head
             state = head.initial_state(anchor.shape)
             prev, tokens, rows = anchor, [], []
             for k in range(n):
                 state, bias = head.step(state, prev, hidden[:, k])
-                row = base[:, k] + bias.astype(base.dtype)
-                if params.greedy:
-                    prev = self.draft_ids_to_target(row)
-                else:
-                    row = self.to_target(row)
-                    prev = sample(row, params, keys[k])
+                row = self.to_target(base[:, k] + bias.astype(base.dtype))
+                prev = sample(row, params, keys[k])
                 tokens.append(prev)
                 rows.append(row)
             tokens, corrected = mx.stack(tokens, axis=1), mx.stack(rows, axis=1)
-            if params.greedy:
-                corrected = self.to_target(corrected)
         if not confidence:
             return Proposal(tokens, corrected)
         return Proposal(
             tokens, corrected, self.chain_confidence(hidden, anchor, tokens)
         )
+
+    def greedy_chain(
+        self, base: mx.array, hidden: mx.array, anchor: mx.array
+    ) -> tuple[mx.array, mx.array]:
+        """Greedy drafts through the sequential head: ``(tokens, corrected rows)``.
+
+        ``base`` holds the backbone's draft-vocabulary logits ``[B, n, V]``; the
+        corrected rows stay in the draft vocabulary.
+        """
+        head = self.markov_head
+        state = head.initial_state(anchor.shape)
+        prev, tokens, rows = anchor, [], []
+        for k in range(base.shape[1]):
+            state, bias = head.step(state, prev, hidden[:, k])
+            row = base[:, k] + bias.astype(base.dtype)
+            prev = self.draft_ids_to_target(row)
+            tokens.append(prev)
+            rows.append(row)
+        return mx.stack(tokens, axis=1), mx.stack(rows, axis=1)
+
+    def compile_greedy_chain(self, enabled: bool = True) -> None:
+        """Run :meth:`greedy_chain` as one ``mx.compile``d graph (one trace per
+        draft length); the drafts are identical either way. Call again after
+        changing the weights."""
+        self._compiled_chain = mx.compile(self.greedy_chain) if enabled else None
 
     def chain_confidence(
         self, hidden: mx.array, anchor: mx.array, tokens: mx.array

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,7 +64,14 @@ def _target_only_tokens(model, prompt, params: SamplingParams, max_tokens: int, 
     if seed is not None:
         mx.random.seed(seed)
     sampler = make_sampler(
-        params.temperature, params.top_p, params.min_p, top_k=params.top_k
+        params.temperature,
+        params.top_p,
+        params.min_p,
+        params.min_tokens_to_keep,
+        top_k=params.top_k,
+        xtc_probability=params.xtc_probability,
+        xtc_threshold=params.xtc_threshold,
+        xtc_special_tokens=list(params.xtc_special_tokens),
     )
     for token, _ in generate_step(
         prompt, model, max_tokens=max_tokens, sampler=sampler
@@ -88,6 +95,11 @@ def stream_generate(
     scheduler: str | None = None,
     profile: str = "auto",
     tree_budget: int = 0,
+    min_tokens_to_keep: int = 1,
+    prefill_step_size: int = 512,
+    xtc_probability: float = 0.0,
+    xtc_threshold: float = 0.1,
+    xtc_special_tokens: Sequence[int] = (),
 ) -> Generator[DSparkResponse, None, None]:
     """Like ``mlx_lm.stream_generate``; ``drafter=None`` decodes with the target alone.
 
@@ -101,6 +113,9 @@ def stream_generate(
 
     ``tree_budget`` > 0 drafts a tree of that many nodes per round instead of
     a chain (``num_draft`` then bounds its depth); 0 drafts a chain.
+    ``min_tokens_to_keep``, ``prefill_step_size`` and the ``xtc_*`` arguments
+    mean what they mean in mlx-lm (min-p filter, prompt tokens per prefill
+    forward, XTC sampling, see :class:`~mlx_dspark.sampling.SamplingParams`).
     """
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
@@ -112,7 +127,16 @@ def stream_generate(
         )
     if tree_budget < 0:
         raise DSparkError(f"tree_budget must be >= 0, got {tree_budget}.")
-    params = SamplingParams(temperature, top_p, top_k, min_p)
+    params = SamplingParams(
+        temperature,
+        top_p,
+        top_k,
+        min_p,
+        min_tokens_to_keep,
+        xtc_probability,
+        xtc_threshold,
+        tuple(int(t) for t in xtc_special_tokens),
+    )
     prompt = _encode(tokenizer, prompt)
 
     stats = telemetry = None
@@ -145,6 +169,7 @@ def stream_generate(
             mode=mode,
             seed=seed,
             stats=stats,
+            prefill_step_size=prefill_step_size,
         )
 
     detokenizer = tokenizer.detokenizer

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+import struct
 from pathlib import Path
 
 import mlx.core as mx
@@ -53,6 +54,121 @@ def read_config(path: Path) -> dict:
         return json.loads(config_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise DSparkError(f"{config_file} is not valid JSON.") from None
+
+
+def check_safetensors(file: Path) -> None:
+    """Refuse a safetensors file whose header or data is cut short or garbled.
+
+    Reads only the header: the file must be exactly as long as the header's
+    last tensor says, so a truncated copy is caught before MLX reads it.
+    """
+    bad = DSparkError(f"{file} is truncated or not a valid safetensors file.")
+    size = file.stat().st_size
+    with open(file, "rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            raise bad
+        (header_size,) = struct.unpack("<Q", prefix)
+        if header_size > size - 8:
+            raise bad
+        try:
+            header = json.loads(handle.read(header_size))
+            end = max(
+                (
+                    v["data_offsets"][1]
+                    for k, v in header.items()
+                    if k != "__metadata__"
+                ),
+                default=0,
+            )
+        except (ValueError, TypeError, KeyError, IndexError, UnicodeDecodeError):
+            raise bad from None
+    if 8 + header_size + end != size:
+        raise bad
+
+
+def check_json_files(path: Path, names: tuple[str, ...]) -> None:
+    for name in names:
+        file = path / name
+        if not file.is_file():
+            continue
+        try:
+            json.loads(file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise DSparkError(f"{file} is not valid JSON.") from None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def load_target(
+    path_or_repo: str | Path,
+    tokenizer_config: dict | None = None,
+    *,
+    adapter_path: str | Path | None = None,
+    model_config: dict | None = None,
+    trust_remote_code: bool = False,
+) -> tuple[Path, dict, nn.Module, object]:
+    """Load an mlx-lm target: ``(path, config, model, tokenizer)``.
+
+    ``adapter_path`` (LoRA/DoRA adapters), ``model_config`` and
+    ``trust_remote_code`` are passed to ``mlx_lm.utils.load`` as is. A broken
+    directory (missing or garbled config, tokenizer or weights, weights that
+    do not fit the config) is refused with one sentence naming what is wrong,
+    never with mlx-lm's own traceback.
+    """
+    from mlx_lm.utils import load as mlx_lm_load
+
+    path = resolve_path(path_or_repo, "model")
+    config = read_config(path)
+    weight_files = sorted(path.glob("model*.safetensors"))
+    if not weight_files:
+        raise DSparkError(
+            f"{path} has no model.safetensors weights (model*.safetensors)."
+        )
+    for file in weight_files:
+        check_safetensors(file)
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise DSparkError(f"{path} has no tokenizer ({', '.join(TOKENIZER_FILES)}).")
+    check_json_files(path, ("tokenizer.json", "tokenizer_config.json", "vocab.json"))
+    if adapter_path is not None:
+        check_adapter(Path(adapter_path).expanduser())
+    try:
+        model, tokenizer = mlx_lm_load(
+            str(path),
+            tokenizer_config=tokenizer_config,
+            model_config=model_config,
+            adapter_path=None if adapter_path is None else str(adapter_path),
+            trust_remote_code=trust_remote_code,
+        )
+    except Exception as error:
+        reason = str(error).strip().splitlines()[0].rstrip(".") or type(error).__name__
+        if isinstance(error, ValueError) and "parameter" in reason:
+            raise DSparkError(
+                f"The weights in {path} do not fit its config.json ({reason})."
+            ) from None
+        raise DSparkError(f"Could not load the model at {path} ({reason}).") from None
+    return path, config, model, tokenizer
+
+
+def check_adapter(path: Path) -> None:
+    """Refuse an adapter directory mlx-lm could not load, in one sentence."""
+    if not path.is_dir():
+        raise DSparkError(f"The adapter path {path} is not a directory.")
+    for name in ("adapter_config.json", "adapters.safetensors"):
+        if not (path / name).is_file():
+            raise DSparkError(f"The adapter path {path} has no {name}.")
+    check_json_files(path, ("adapter_config.json",))
+    check_safetensors(path / "adapters.safetensors")
+
+
+def is_dspark_drafter(path_or_repo: str | Path) -> bool:
+    """Whether a draft model is a DSpark drafter (by its config's architectures),
+    rather than an ordinary mlx-lm model for mlx-lm's own speculative decoding."""
+    config = read_config(resolve_path(path_or_repo, "draft model"))
+    architectures = config.get("architectures") or []
+    speculators = "speculators_model_type" in config or "speculators_config" in config
+    return speculators or any("DSpark" in str(a) for a in architectures)
 
 
 def read_weights(path: Path) -> dict[str, mx.array]:
@@ -189,6 +305,8 @@ def build_drafter(
         ) from None
     dequantize_on_cpu(drafter)
     mx.eval(drafter.parameters())
+    if drafter.markov_head is not None:
+        drafter.compile_greedy_chain()
     return drafter
 
 
@@ -235,7 +353,13 @@ def load_drafter(
 ) -> DSparkDrafter:
     """Load a DeepSpec-format (or converted MLX) drafter, optionally for ``target``."""
     path = resolve_path(path_or_repo, "drafter")
-    config = DraftConfig.from_dict(read_config(path))
+    raw = read_config(path)
+    if "speculators_model_type" in raw or "speculators_config" in raw:
+        raise DSparkError(
+            f"{path} is a vLLM speculators checkpoint; convert it first with "
+            f"mlx_dspark.convert --draft-model {path_or_repo} --out DIR."
+        )
+    config = DraftConfig.from_dict(raw)
     adapter = None
     if target is not None:
         adapter = TargetAdapter(target, config.target_layer_ids)
@@ -249,14 +373,19 @@ def load(
     target: str | Path | None = None,
     draft_model: str | Path | None = None,
     tokenizer_config: dict | None = None,
+    *,
+    adapter_path: str | Path | None = None,
+    model_config: dict | None = None,
+    trust_remote_code: bool = False,
 ):
     """Load ``(model, tokenizer, drafter)``; ``drafter`` is None without ``draft_model``.
 
     With no ``target`` this loads the built-in default pair
     (SmolLM2-135M-Instruct and the shipped drafter, see ``default.py``).
+    ``adapter_path``, ``model_config`` and ``trust_remote_code`` apply to the
+    target, as in ``mlx_lm.load``; the drafter verifies against the adapted
+    target, so output stays the adapted target's own.
     """
-    from mlx_lm.utils import load as mlx_lm_load
-
     if target is None:
         if draft_model is not None:
             raise DSparkError(
@@ -266,16 +395,13 @@ def load(
         from .default import default_pair
 
         target, draft_model = default_pair()
-    target_path = resolve_path(target, "model")
-    read_config(target_path)
-    try:
-        model, tokenizer = mlx_lm_load(
-            str(target_path), tokenizer_config=tokenizer_config
-        )
-    except (ValueError, FileNotFoundError, OSError) as error:
-        raise DSparkError(
-            f"Could not load the model at {target_path}: {error}"
-        ) from None
+    _, _, model, tokenizer = load_target(
+        target,
+        tokenizer_config,
+        adapter_path=adapter_path,
+        model_config=model_config,
+        trust_remote_code=trust_remote_code,
+    )
     if draft_model is None:
         return model, tokenizer, None
     drafter = load_drafter(draft_model, model)

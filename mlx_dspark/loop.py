@@ -244,6 +244,7 @@ def speculative_generate_step(
     mode: RoundMode | None = None,
     seed: int | None = None,
     stats: GenerationStats | None = None,
+    prefill_step_size: int = 512,
 ) -> Iterator[tuple[int, bool]]:
     """Yield ``(token, from_draft)`` until ``max_tokens`` tokens are produced.
 
@@ -261,7 +262,7 @@ def speculative_generate_step(
     cache = target.make_cache()
     draft_cache: DraftCache = drafter.make_cache()
     tic = time.perf_counter()
-    logits, context = prefill(target, prompt, cache)
+    logits, context = prefill(target, prompt, cache, prefill_step_size)
     anchor = first_token(logits, params, rng)
     stats.prompt_tokens, stats.prompt_time = prompt.size, time.perf_counter() - tic
     ended = time.perf_counter()

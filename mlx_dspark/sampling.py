@@ -22,6 +22,15 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    # As mlx-lm's: the min-p filter always keeps this many of the top tokens.
+    min_tokens_to_keep: int = 1
+    # XTC as mlx-lm's sampler: with this probability per token, drop every
+    # token above the threshold but the least likely of them (never the
+    # special tokens). Sampling uses the mixture of the two distributions, the
+    # per-token distribution mlx-lm's coin flip produces.
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    xtc_special_tokens: tuple[int, ...] = ()
 
     def __post_init__(self):
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -32,6 +41,18 @@ class SamplingParams:
             raise DSparkError(f"top_k must be >= 0, got {self.top_k}.")
         if not 0.0 <= self.min_p <= 1.0:
             raise DSparkError(f"min_p must be in [0, 1], got {self.min_p}.")
+        if not 0.0 <= self.xtc_probability <= 1.0:
+            raise DSparkError(
+                f"xtc_probability must be in [0, 1], got {self.xtc_probability}."
+            )
+        if not 0.0 <= self.xtc_threshold <= 0.5:
+            raise DSparkError(
+                f"xtc_threshold must be in [0, 0.5], got {self.xtc_threshold}."
+            )
+        if self.min_tokens_to_keep < 1:
+            raise DSparkError(
+                f"min_tokens_to_keep must be >= 1, got {self.min_tokens_to_keep}."
+            )
 
     @property
     def greedy(self) -> bool:
@@ -48,9 +69,13 @@ def _top_p(logprobs: mx.array, top_p: float) -> mx.array:
     return mx.where(logprobs < threshold, -mx.inf, logprobs)
 
 
-def _min_p(logprobs: mx.array, min_p: float) -> mx.array:
+def _min_p(logprobs: mx.array, min_p: float, keep: int = 1) -> mx.array:
     floor = logprobs.max(axis=-1, keepdims=True) + math.log(min_p)
-    return mx.where(logprobs < floor, -mx.inf, logprobs)
+    dropped = logprobs < floor
+    if keep > 1:
+        top = mx.argpartition(logprobs, kth=-keep, axis=-1)[..., -keep:]
+        dropped = mx.put_along_axis(dropped, top, mx.array(False), axis=-1)
+    return mx.where(dropped, -mx.inf, logprobs)
 
 
 def _top_k(logprobs: mx.array, top_k: int) -> mx.array:
@@ -62,6 +87,24 @@ def _top_k(logprobs: mx.array, top_k: int) -> mx.array:
     )
 
 
+def _xtc_cut(logprobs: mx.array, threshold: float, special: tuple[int, ...]):
+    """mlx-lm's XTC when its coin says apply: drop the tokens above
+    ``threshold`` except the least likely of them, keeping ``special``."""
+    probs = mx.softmax(logprobs, axis=-1)
+    least = mx.where(probs > threshold, probs, mx.inf).min(axis=-1, keepdims=True)
+    dropped = probs > least
+    if special:
+        dropped[..., list(special)] = False
+    return mx.where(dropped, -mx.inf, logprobs)
+
+
+def _finish(logprobs: mx.array, params: SamplingParams) -> mx.array:
+    if params.top_k > 0:
+        logprobs = _top_k(logprobs, params.top_k)
+    scaled = logprobs * (1.0 / params.temperature)
+    return scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
+
+
 def log_probs(logits: mx.array, params: SamplingParams) -> mx.array:
     """Processed log-probabilities (float32) that sampling draws from."""
     logits = logits.astype(mx.float32)
@@ -69,11 +112,17 @@ def log_probs(logits: mx.array, params: SamplingParams) -> mx.array:
     if 0.0 < params.top_p < 1.0:
         logprobs = _top_p(logprobs, params.top_p)
     if params.min_p > 0.0:
-        logprobs = _min_p(logprobs, params.min_p)
-    if params.top_k > 0:
-        logprobs = _top_k(logprobs, params.top_k)
-    scaled = logprobs * (1.0 / params.temperature)
-    return scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
+        logprobs = _min_p(logprobs, params.min_p, params.min_tokens_to_keep)
+    chance = params.xtc_probability
+    if chance == 0.0:
+        return _finish(logprobs, params)
+    cut = _finish(
+        _xtc_cut(logprobs, params.xtc_threshold, params.xtc_special_tokens), params
+    )
+    if chance == 1.0:
+        return cut
+    plain = _finish(logprobs, params)
+    return mx.logaddexp(plain + math.log1p(-chance), cut + math.log(chance))
 
 
 def sample(logits: mx.array, params: SamplingParams, key: mx.array | None) -> mx.array:

@@ -1,6 +1,7 @@
 import itertools
 import json
 import math
+import subprocess
 import sys
 
 import numpy as np
@@ -177,3 +178,25 @@ def test_reliability_diagram_without_matplotlib(tmp_path, monkeypatch):
     with pytest.raises(DSparkError, match=r"mlx-dspark\[plot\]"):
         calibrate(z, survived).reliability_diagram(tmp_path / "rel.png")
     assert not (tmp_path / "rel.png").exists()
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--max-tokens", "-5", "--max-tokens must be at least 2"),
+        ("--rounds", "0", "--rounds must be at least 1"),
+        ("--temp", "-1", "--temp must be >= 0"),
+    ],
+)
+def test_calibrate_cli_checks_flags_before_loading(tmp_path, flag, value, message):
+    missing = str(tmp_path / "missing")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlx_dspark.calibrate", "--model", missing]
+        + ["--draft-model", missing, flag, value],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1

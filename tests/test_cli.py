@@ -1,6 +1,7 @@
 """The mlx_dspark.generate command: output, flags and user errors."""
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -115,11 +116,14 @@ def test_no_model_uses_the_built_in_default_pair():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--dspark-n-draft", "99"], "num_draft must be between 0"),
-        (["--temp", "-1"], "temperature must be >= 0"),
-        (["--top-p", "2"], "top_p must be in"),
-        (["--max-tokens", "0"], "max_tokens must be at least 1"),
-        (["--dspark-confidence-threshold", "1.5"], "confidence_threshold"),
+        (["--dspark-n-draft", "99"], "--dspark-n-draft must be between 0"),
+        (["--temp", "-1"], "--temp must be >= 0"),
+        (["--top-p", "2"], "--top-p must be in"),
+        (["--max-tokens", "0"], "--max-tokens must be at least 1"),
+        (
+            ["--dspark-confidence-threshold", "1.5"],
+            "--dspark-confidence-threshold must be in",
+        ),
         (["--verbose", "maybe"], "--verbose expects"),
         (["--chat-template-config", "{"], "not valid JSON"),
     ],
@@ -144,5 +148,12 @@ def test_missing_paths_and_broken_files(pair, tmp_path):
     bad = run("--model", target, "--draft-model", str(broken), "-p", "t1")
     assert bad.returncode == 1 and "not valid JSON" in bad.stderr
     assert "Traceback" not in bad.stderr
+    truncated = tmp_path / "truncated"
+    shutil.copytree(target, truncated)
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    cut = run("--model", str(truncated), "--draft-model", drafter, "-p", "t1")
+    assert cut.returncode == 1 and "is truncated" in cut.stderr
+    assert "Traceback" not in cut.stderr and len(cut.stderr.strip().splitlines()) == 1
     unknown = run("--model", target, "--no-such-flag")
     assert unknown.returncode != 0 and "Traceback" not in unknown.stderr

@@ -289,7 +289,7 @@ def test_speculators_reduced_vocab_end_to_end(pair, tmp_path, w1_by_draft_id):
     assert config["draft_vocab_size"] == len(keep)
     written = tensors(tmp_path / "q")
     assert "embed_tokens.weight" not in written  # equals the target's
-    assert written["lm_head.weight"].shape == (len(keep), 128)  # kept, reduced
+    assert "lm_head.scales" in written  # kept (reduced vocabulary) and quantized
     assert written["draft_to_target"].tolist() == keep
     assert written["markov_head.markov_w1.scales"].shape[0] == model.args.vocab_size
     drafter = load_drafter(tmp_path / "q", model)
@@ -379,8 +379,65 @@ def test_cli_dry_run_and_convert(pair, tmp_path, capsys):
     convert_main(
         ["--draft-model", str(drafter_dir), "-q", "--out", str(tmp_path / "o")]
     )
-    assert "wrote" in capsys.readouterr().out
+    written = capsys.readouterr().out
+    assert "wrote" in written and "MiB of weights from" in written
     assert (tmp_path / "o" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("reduced", [False, True], ids=["full-vocab", "reduced"])
+def test_speculators_export_round_trip(pair, tmp_path, reduced):
+    target_dir, drafter_dir, model, tokenizer, expected = pair
+    source = drafter_dir
+    if reduced:
+        keep = reduced_ids(model.args.vocab_size)
+        write_speculators(drafter_dir, tmp_path / "spec-in", keep)
+        source = tmp_path / "source"
+        convert_drafter(tmp_path / "spec-in", source, target=target_dir)
+    q4, spec, back = tmp_path / "q4", tmp_path / "spec", tmp_path / "back"
+    convert_drafter(source, q4, quantize=True, target=target_dir)
+    convert_drafter(q4, spec, to="speculators", target=target_dir, dtype="float32")
+    config = json.loads((spec / "config.json").read_text())
+    assert config["speculators_model_type"] == "dspark"
+    source_config = json.loads((drafter_dir / "config.json").read_text())
+    assert config["aux_hidden_state_layer_ids"] == [
+        i + 1 for i in source_config["target_layer_ids"]
+    ]
+    assert config["transformer_layer_config"]["hidden_size"] == 128
+    exported = tensors(spec)
+    assert "embed_tokens.weight" not in exported
+    assert "draft_to_target" not in exported and "quantization" not in config
+    if reduced:
+        assert config["draft_vocab_size"] == len(keep)
+        ids = exported["d2t"] + mx.arange(len(keep))
+        assert ids.tolist() == keep
+        assert np.flatnonzero(np.array(exported["t2d"])).tolist() == keep
+    else:
+        assert "d2t" not in exported
+    convert_drafter(spec, back, quantize=True, target=target_dir)
+    outputs, rounds = dspark_greedy(model, tokenizer, load_drafter(back, model))
+    q4_outputs, q4_rounds = dspark_greedy(model, tokenizer, load_drafter(q4, model))
+    assert outputs == q4_outputs == expected
+    assert rounds == q4_rounds
+
+
+def test_conversion_carries_the_calibration_and_training_record(pair, tmp_path):
+    from mlx_dspark.calibration import CalibrationResult
+
+    target_dir, drafter_dir, *_ = pair
+    source = tmp_path / "source"
+    convert_drafter(drafter_dir, source, quantize=True, bits=4, target=target_dir)
+    CalibrationResult([1.5, 2.0], [0.1] * 2, [0.05] * 2, [0.6] * 2, [0.6] * 2, 10).save(
+        source / "dspark_calibration.json"
+    )
+    (source / "training_record.json").write_text(json.dumps({"steps": 3}))
+    for to, out in (("mlx", tmp_path / "q3"), ("speculators", tmp_path / "spec")):
+        options = {"quantize": True, "bits": 3} if to == "mlx" else {"to": to}
+        convert_drafter(source, out, target=target_dir, **options)
+        carried = CalibrationResult.load(out / "dspark_calibration.json")
+        assert carried.temperatures == [1.5, 2.0]
+        assert carried.measured_with == "4-bit weights"
+        record = json.loads((out / "training_record.json").read_text())
+        assert record == {"steps": 3}
 
 
 def _corrupt(drafter_dir: Path, tmp_path: Path, how: str) -> Path:

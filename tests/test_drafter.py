@@ -36,13 +36,16 @@ def random_drafter(head="vanilla", rank=8, confidence_with_markov=True, seed=0):
     )
     drafter = DSparkDrafter(config)
     drafter.own_embeddings()
-    rng = np.random.default_rng(seed)
+    randomize(drafter, np.random.default_rng(seed))
+    return drafter
+
+
+def randomize(drafter, rng):
     weights = []
     for name, value in tree_flatten(drafter.parameters()):
         noise = rng.standard_normal(value.shape).astype(np.float32)
         weights.append((name, 1.0 + 0.2 * noise if "norm" in name else 0.3 * noise))
     drafter.update(tree_unflatten([(k, mx.array(v)) for k, v in weights]))
-    return drafter
 
 
 def np_params(drafter):
@@ -209,11 +212,7 @@ def reduced_drafter(head, seed=0):
     reduced = DSparkDrafter(config)
     reduced.own_embeddings()
     rng = np.random.default_rng(seed)
-    weights = []
-    for name, value in tree_flatten(reduced.parameters()):
-        noise = rng.standard_normal(value.shape).astype(np.float32)
-        weights.append((name, 1.0 + 0.2 * noise if "norm" in name else 0.3 * noise))
-    reduced.update(tree_unflatten([(k, mx.array(v)) for k, v in weights]))
+    randomize(reduced, rng)
     reduced.draft_to_target = mx.array(rng.permutation(V - 1)[:16].astype(np.int32))
     return reduced
 
@@ -257,6 +256,40 @@ def test_fast_greedy_drafts_equal_full_row_argmax(head, reduced):
         )
         assert no_confidence.confidence is None
         assert mx.array_equal(no_confidence.tokens, proposal.tokens)
+
+
+@pytest.mark.parametrize("reduced", [False, True], ids=["full-vocab", "reduced"])
+@pytest.mark.parametrize("head", ["vanilla", "gated", "rnn"])
+def test_compiled_and_plain_greedy_chains_give_identical_drafts(head, reduced):
+    drafter = reduced_drafter(head, 1) if reduced else random_drafter(head, seed=1)
+    anchor = mx.array([3, 11])
+    block = mx.stack([drafter.block_tokens(anchor[i : i + 1])[0] for i in range(2)])
+    hidden = drafter(block, 0, None, drafter.make_cache())
+    outputs = {}
+    for compiled in (False, True):
+        drafter.compile_greedy_chain(compiled)
+        for n in (5, 2, 5, 1):
+            for rows in (slice(0, 2), slice(1, 2)):
+                outputs[compiled, n, rows.start] = drafter.propose(
+                    hidden[rows], anchor[rows], n, SamplingParams(), None
+                )
+    assert drafter._compiled_chain is not None
+    for (_, n, start), proposal in outputs.items():
+        plain = outputs[False, n, start]
+        assert proposal.tokens.shape == (2 - start, n)
+        assert mx.array_equal(proposal.tokens, plain.tokens)
+        assert mx.array_equal(proposal.logits, plain.logits)
+
+
+def test_loaded_drafters_run_the_compiled_chain(pair_factory):
+    model, _, drafter, *_ = pair_factory(block_size=6)
+    assert drafter._compiled_chain is not None
+    anchor = mx.array([4])
+    hidden = drafter(drafter.block_tokens(anchor), 0, None, drafter.make_cache())
+    compiled = drafter.propose(hidden, anchor, 6, SamplingParams(), None)
+    drafter.compile_greedy_chain(False)
+    plain = drafter.propose(hidden, anchor, 6, SamplingParams(), None)
+    assert mx.array_equal(compiled.tokens, plain.tokens)
 
 
 def test_draft_ids_to_target_breaks_ties_like_argmax_over_full_rows():

@@ -231,3 +231,62 @@ def test_self_check_refuses_a_broken_tap():
     TargetAdapter(model, [0]).self_check()
     with pytest.raises(DSparkError, match="does not reproduce"):
         SkippedLayerAdapter(model, [0]).self_check()
+
+
+def _break_target(target_dir, how):
+    weights_file = target_dir / "model.safetensors"
+    if how == "truncated weights":
+        weights_file.write_bytes(
+            weights_file.read_bytes()[: weights_file.stat().st_size // 2]
+        )
+    elif how == "garbled weights":
+        weights_file.write_bytes(b"\xff" * 64)
+    elif how == "no weights":
+        weights_file.unlink()
+    elif how == "no config":
+        (target_dir / "config.json").unlink()
+    elif how == "truncated config":
+        text = (target_dir / "config.json").read_text()
+        (target_dir / "config.json").write_text(text[: len(text) // 2])
+    elif how == "truncated tokenizer":
+        text = (target_dir / "tokenizer.json").read_text()
+        (target_dir / "tokenizer.json").write_text(text[: len(text) // 2])
+    elif how == "no tokenizer":
+        for name in ("tokenizer.json", "tokenizer.model", "vocab.json"):
+            (target_dir / name).unlink(missing_ok=True)
+    elif how in ("missing key", "wrong shape"):
+        weights = mx.load(str(weights_file))
+        name = next(k for k in sorted(weights) if k.endswith("mlp.up_proj.weight"))
+        if how == "missing key":
+            weights.pop(name)
+        else:
+            weights[name] = weights[name][:, :-1]
+        mx.save_safetensors(str(weights_file), weights)
+    elif how == "unknown model type":
+        config = json.loads((target_dir / "config.json").read_text())
+        (target_dir / "config.json").write_text(
+            json.dumps({**config, "model_type": "no_such_family"})
+        )
+
+
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("truncated weights", "model.safetensors is truncated"),
+        ("garbled weights", "model.safetensors is truncated"),
+        ("no weights", "has no model.safetensors weights"),
+        ("no config", "has no config.json"),
+        ("truncated config", "config.json is not valid JSON"),
+        ("truncated tokenizer", "tokenizer.json is not valid JSON"),
+        ("no tokenizer", "has no tokenizer"),
+        ("missing key", "do not fit its config.json"),
+        ("wrong shape", "do not fit its config.json"),
+        ("unknown model type", "Could not load the model"),
+    ],
+)
+def test_broken_target_directories_are_refused_in_one_sentence(pair_dirs, how, message):
+    target_dir, drafter_dir = pair_dirs
+    _break_target(target_dir, how)
+    with pytest.raises(DSparkError, match=message) as error:
+        load(target_dir, drafter_dir)
+    assert "\n" not in str(error.value)

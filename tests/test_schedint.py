@@ -403,7 +403,10 @@ def test_calibrate_cli_end_to_end(pair_factory, tmp_path, capsys):
     )
     assert bad.returncode == 1
     last = bad.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: scheduler must be") and "Traceback" not in bad.stderr
+    assert (
+        last.startswith("error: --dspark-scheduler must be")
+        and "Traceback" not in bad.stderr
+    )
 
 
 def test_profile_cache(pair_factory, tmp_path):
