@@ -108,8 +108,9 @@ def stream_generate(
     memory guard), ``"adaptive"`` (each round the draft length, 0 = plain
     decoding included, with the best predicted tokens/s) or None: adaptive
     when no other DSpark argument is given, an explicit ``num_draft`` means
-    always that many (see :func:`~mlx_dspark.policies.resolve_policy`). ``profile="refresh"`` re-measures the
-    cost profile. Responses carry ``stats`` and ``telemetry``.
+    always that many (see :func:`~mlx_dspark.policies.resolve_policy`).
+    ``profile="refresh"`` re-measures the cost profile. Responses carry
+    ``stats`` and ``telemetry``.
 
     ``tree_budget`` > 0 drafts a tree of that many nodes per round instead of
     a chain (``num_draft`` then bounds its depth); 0 drafts a chain.
