@@ -143,8 +143,14 @@ class AdaptivePolicy(_Recording):
     def round_costs(self, cap: int) -> list[float]:
         """Predicted seconds of a round verifying n = 0..cap drafts."""
         plain = float(np.median(self.plain_costs)) if self.plain_costs else None
-        rounds = np.array(self.drafted_costs, dtype=np.float64).reshape(-1, 4)
-        ns, ts, verify, tokens = rounds.T
+        rounds = np.array(self.drafted_costs, dtype=np.float64).reshape(-1, 5)
+        ns, ts, verify, tokens, draft = rounds.T
+        if plain is not None and ts.size:
+            # A drafted round is a plain step plus drafting and a longer verify:
+            # never cheaper than a plain round (timings under a changing load
+            # can say otherwise, and plain costs are not re-measured while
+            # drafting).
+            plain = min(plain, float(np.median(ts - draft)))
         if self.profile is not None:
             prof = np.array([self._profile_cost(n) for n in range(cap + 1)])
             if ts.size:
@@ -251,7 +257,13 @@ class AdaptivePolicy(_Recording):
             # The first drafted round after the prompt or a plain run also
             # feeds the drafter all the context since: not a steady cost.
             self.drafted_costs.append(
-                (max(n, 1), seconds, round_stats.verify_time, tokens)
+                (
+                    max(n, 1),
+                    seconds,
+                    round_stats.verify_time,
+                    tokens,
+                    round_stats.draft_time,
+                )
             )
         accepted = round_stats.accepted
         while len(self.successes) < n:
