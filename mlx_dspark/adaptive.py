@@ -31,8 +31,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-
-import numpy as np
+from statistics import median
 
 from .drafter import Proposal
 from .loop import RoundStats
@@ -47,19 +46,20 @@ _DRAFT_OVERHEAD = 1.3
 _PER_DRAFT = 0.08
 
 
-def _line(ns: np.ndarray, ts: np.ndarray, relative_slope: float) -> tuple[float, float]:
+def _line(
+    ns: list[float], ts: list[float], relative_slope: float
+) -> tuple[float, float]:
     """Robust ``t = base + slope * n``: Theil-Sen (the median of the pairwise
     slopes, never negative) once a few pairs of rounds differ in length, else
     the slope ``relative_slope * base``. The base is the median residual, and
     at least half the cheapest round (one noisy pair must not make a short
-    round look free)."""
-    dn = ns[:, None] - ns[None, :]
-    if np.count_nonzero(dn > 0) >= 4:
-        dt = ts[:, None] - ts[None, :]
-        slope = max(0.0, float(np.median(dt[dn > 0] / dn[dn > 0])))
-        base = max(float(np.median(ts - slope * ns)), 0.5 * float(ts.min()))
-        return base, slope
-    base = float(np.median(ts / (1.0 + relative_slope * ns)))
+    round look free). Plain Python: a dozen points, every round."""
+    pairs = [(i, j) for i in range(len(ns)) for j in range(i) if ns[i] != ns[j]]
+    if len(pairs) >= 4:
+        slope = max(0.0, median((ts[i] - ts[j]) / (ns[i] - ns[j]) for i, j in pairs))
+        base = median(t - slope * n for n, t in zip(ns, ts, strict=True))
+        return max(base, 0.5 * min(ts)), slope
+    base = median(t / (1.0 + relative_slope * n) for n, t in zip(ns, ts, strict=True))
     return base, relative_slope * base
 
 
@@ -142,36 +142,38 @@ class AdaptivePolicy(_Recording):
 
     def round_costs(self, cap: int) -> list[float]:
         """Predicted seconds of a round verifying n = 0..cap drafts."""
-        plain = float(np.median(self.plain_costs)) if self.plain_costs else None
-        rounds = np.array(self.drafted_costs, dtype=np.float64).reshape(-1, 5)
-        ns, ts, verify, tokens, draft = rounds.T
-        if plain is not None and ts.size:
+        plain = median(self.plain_costs) if self.plain_costs else None
+        rounds = list(self.drafted_costs)
+        ns = [r[0] for r in rounds]
+        ts = [r[1] for r in rounds]
+        if plain is not None and rounds:
             # A drafted round is a plain step plus drafting and a longer verify:
             # never cheaper than a plain round (timings under a changing load
             # can say otherwise, and plain costs are not re-measured while
             # drafting).
-            plain = min(plain, float(np.median(ts - draft)))
+            plain = min(plain, median(r[1] - r[4] for r in rounds))
         if self.profile is not None:
-            prof = np.array([self._profile_cost(n) for n in range(cap + 1)])
-            if ts.size:
-                scale = float(np.median(ts / [self._profile_cost(int(n)) for n in ns]))
+            prof = [self._profile_cost(n) for n in range(cap + 1)]
+            if rounds:
+                scale = median(r[1] / self._profile_cost(r[0]) for r in rounds)
             else:
                 scale = 1.0 if plain is None else plain / prof[0]
-            costs = (scale * prof).tolist()
+            costs = [scale * c for c in prof]
             if plain is not None:
                 costs[0] = plain
             return costs
-        if plain is None and ts.size:
+        if plain is None and rounds:
             # Not measured yet: a verify of the anchor alone, from the drafted
-            # rounds' verify times, plus the caller's time for one token.
-            caller = np.median((ts - verify) / tokens)  # the drafter's time too
-            plain = _line(ns, verify, _PER_DRAFT)[0] + float(caller)
+            # rounds' verify times, plus the caller's time for one token (and
+            # the drafter's: an estimate that leans towards drafting).
+            caller = median((r[1] - r[2]) / r[3] for r in rounds)
+            plain = _line(ns, [r[2] for r in rounds], _PER_DRAFT)[0] + caller
         elif plain is None:
             plain = 1.0
-        if not ts.size:
-            base, slope = _DRAFT_OVERHEAD * plain, _PER_DRAFT * plain
-        else:
+        if rounds:
             base, slope = _line(ns, ts, _PER_DRAFT)
+        else:
+            base, slope = _DRAFT_OVERHEAD * plain, _PER_DRAFT * plain
         return [plain] + [max(base + slope * n, 1e-9) for n in range(1, cap + 1)]
 
     def predicted_rates(self, cap: int) -> list[float]:
@@ -187,8 +189,9 @@ class AdaptivePolicy(_Recording):
     def best_length(self, cap: int) -> int:
         """The best predicted length; among lengths within 1% of the best, the
         longest (cheap deeper drafts keep their acceptance measured)."""
-        rates = np.array(self.predicted_rates(cap))
-        return int(np.flatnonzero(rates >= 0.99 * rates.max())[-1])
+        rates = self.predicted_rates(cap)
+        best = 0.99 * max(rates)
+        return max(n for n, rate in enumerate(rates) if rate >= best)
 
     # -- the loop's hooks --------------------------------------------------
 
