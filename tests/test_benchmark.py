@@ -261,3 +261,54 @@ def test_profile_splits_a_round_into_every_stage(small, capsys):
     verify = out[out.index("adapter / mlx-lm") :]
     sizes = [line.split("│")[1].strip() for line in verify.splitlines()[2:6]]
     assert sizes == ["1", "2", "4", "8"]
+
+
+def test_default_mode_fixed_zero_and_a_useless_drafter(
+    small, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path / "cache"))
+    _, target_dir, drafter_dir = small
+    path = tmp_path / "report.json"
+    code, out, err = run_cli(
+        [
+            "--model",
+            str(target_dir),
+            "--draft-model",
+            str(drafter_dir),
+            "--max-tokens",
+            "16",
+            "--trials",
+            "1",
+            "--modes",
+            "default,fixed",
+            "--fixed-n",
+            "0",
+            "--useless-drafter",
+            "--json",
+            str(path),
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    records = {r["mode"]: r for r in json.loads(path.read_text())["records"]}
+    assert set(records) == {"target", "dspark-default", "dspark-fixed-0"}
+    assert all(r["lossless"] for r in records.values())
+    assert records["dspark-fixed-0"]["acceptance_by_position"] == []
+    assert "useless (random) drafter" in out
+
+
+def test_randomized_weights_keep_shapes(small):
+    from mlx.utils import tree_flatten
+
+    from mlx_dspark.loading import load
+
+    _, target_dir, drafter_dir = small
+    _, _, drafter = load(target_dir, drafter_dir)
+    before = dict(tree_flatten(drafter.parameters()))
+    benchmark.randomize_weights(drafter)
+    after = dict(tree_flatten(drafter.parameters()))
+    assert {k: v.shape for k, v in before.items()} == {
+        k: v.shape for k, v in after.items()
+    }
+    changed = [k for k in before if not (before[k] == after[k]).all().item()]
+    assert len(changed) >= len(before) - 2
