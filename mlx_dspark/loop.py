@@ -1,8 +1,12 @@
 """The one generation loop: prefill, then draft / verify / commit rounds.
 
-How a round drafts and verifies (a chain now, a tree later) and how many
-drafts it sends to the target (fixed, threshold, scheduler) are parts plugged
-into :func:`speculative_generate_step`; the loop itself never changes.
+How a round drafts and verifies (a chain or a tree) and how many drafts it
+sends to the target (fixed, threshold, scheduler, adaptive) are parts plugged
+into :func:`speculative_generate_step`; the loop itself never changes. A round
+whose cap is 0 is a plain round: no drafter, one target step pipelined like
+mlx-lm's ``generate_step`` (the next plain step is queued before the current
+token is read), so a policy that stops drafting decodes as fast as the target
+alone.
 """
 
 from __future__ import annotations
