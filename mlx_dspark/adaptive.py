@@ -92,6 +92,7 @@ class AdaptivePolicy(_Recording):
     probe_hits: float = 0.0
     last_drafted: bool = False
     last_tokens: int = 1
+    kept: deque = field(default_factory=deque)  # accepted drafts, recent rounds
     _stale: bool = True
     _cap: int = -1
 
@@ -99,6 +100,7 @@ class AdaptivePolicy(_Recording):
         self.interval = self.probe_after
         self.plain_costs = deque(self.plain_costs, maxlen=self.window)
         self.drafted_costs = deque(self.drafted_costs, maxlen=self.drafted_window)
+        self.kept = deque(self.kept, maxlen=self.drafted_window)
 
     def renew(self) -> AdaptivePolicy:
         """A fresh policy for the next generation that keeps what was measured
@@ -188,8 +190,11 @@ class AdaptivePolicy(_Recording):
 
     def best_length(self, cap: int) -> int:
         """The best predicted length; among lengths within 1% of the best, the
-        longest (cheap deeper drafts keep their acceptance measured)."""
-        rates = self.predicted_rates(cap)
+        longest (cheap deeper drafts keep their acceptance measured). Lengths
+        beyond twice the longest recently kept prefix (plus one) are not
+        considered: deep drafts are only tried once shallow ones are kept."""
+        reach = max(self.kept, default=1) + 1
+        rates = self.predicted_rates(min(cap, 2 * reach))
         best = 0.99 * max(rates)
         return max(n for n, rate in enumerate(rates) if rate >= best)
 
@@ -253,6 +258,8 @@ class AdaptivePolicy(_Recording):
         steady, tokens = self.last_drafted, self.last_tokens
         self.last_drafted = round_stats.drafted > 0
         self.last_tokens = round_stats.accepted + 1
+        if self.last_drafted:
+            self.kept.append(round_stats.accepted)
         if not self.last_drafted:
             self.plain_costs.append(seconds)
             return
