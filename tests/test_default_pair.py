@@ -68,13 +68,24 @@ def test_default_pair_is_lossless(pair, text):
     expected = [
         int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=MAX_TOKENS)
     ]
-    responses = list(
-        stream_generate(model, tokenizer, drafter, prompt, max_tokens=MAX_TOKENS)
-    )
     eos = set(tokenizer.eos_token_ids)
     cut = next((i + 1 for i, t in enumerate(expected) if t in eos), len(expected))
-    assert [r.token for r in responses] == expected[:cut]
-    assert sum(r.accepted for r in responses[-1].stats.rounds) > 0
+    # Always drafting (some drafts are kept), and the default policy (which
+    # mixes plain rounds in where drafting does not pay).
+    for num_draft in (drafter.block_size, None):
+        responses = list(
+            stream_generate(
+                model,
+                tokenizer,
+                drafter,
+                prompt,
+                max_tokens=MAX_TOKENS,
+                num_draft=num_draft,
+            )
+        )
+        assert [r.token for r in responses] == expected[:cut], num_draft
+        if num_draft is not None:
+            assert sum(r.accepted for r in responses[-1].stats.rounds) > 0
 
 
 @needs_smollm2
