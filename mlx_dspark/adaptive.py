@@ -78,7 +78,7 @@ class AdaptivePolicy(_Recording):
     prior_strength: float = 4.0
     window: int = 5
     drafted_window: int = 12
-    probe_after: int = 4
+    probe_after: int = 8
     probe_max: int = 128
     plain_costs: deque = field(default_factory=deque)
     drafted_costs: deque = field(default_factory=deque)
