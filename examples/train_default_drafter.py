@@ -19,8 +19,9 @@ Steps (each is skipped when its output already exists, so a rerun resumes):
 3. The target answers every prompt at T=0 and at T=0.7 (up to 192 tokens,
    batches of 64, ``mlx_dspark.data.regenerate_shards``) into compressed
    shards in ``examples/data/regenerated/`` (``--regen-dir``), which are
-   committed to the repository: a shard that exists is skipped, so a rerun,
-   in this session or a later one, continues where the last one stopped.
+   committed to the repository with the prompt list: a shard that exists is
+   skipped, so a rerun, in this session or a later one, continues where the
+   last one stopped.
    ``--regen-minutes M`` stops starting shards after M minutes; training then
    uses the shards that exist. ``--data-only`` stops after this step.
 4. ``mlx_dspark.train`` on the answers and the plain text (flags below:
@@ -39,7 +40,7 @@ from __future__ import annotations
 
 import argparse
 import ast
-import hashlib
+import gzip
 import json
 import os
 import random
@@ -67,6 +68,7 @@ PROMPT_COUNTS = {"chat": 1400, "code": 400, "maths": 500}
 EXPLAIN_PROMPTS, SUMMARY_PROMPTS = 200, 200
 REGEN_MAX_TOKENS, REGEN_BATCH, REGEN_TEMPERATURES = 192, 64, (0.0, 0.7)
 REGEN_DIR = Path(__file__).resolve().parent / "data" / "regenerated"
+PROMPT_LIST = "prompts.jsonl.gz"  # in REGEN_DIR, committed with the answers
 COMMON_FLAGS = [
     "--layers", "1",
     "--markov-rank", "64",
@@ -251,10 +253,18 @@ def corpus(work: Path, seed: int) -> list[Path]:
     return sorted(out.iterdir())
 
 
-def regeneration_prompts(
-    tokenizer, prompts_file: Path, seed: int
-) -> tuple[list[list[int]], list[str]]:
-    """The prompts to answer, tokenised with the chat template, and their kinds.
+def chat_tokens(tokenizer, prompt: str) -> list[int]:
+    """A user prompt in the target's chat template, ready for its answer."""
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def regeneration_prompts(tokenizer, prompts_file: Path, seed: int) -> list[dict]:
+    """``{"kind", "prompt"}`` for every prompt to answer, in answering order.
 
     Each kind keeps its first prompts that leave room for a full answer within
     ``SEQ_LEN``, up to its count; then all are shuffled together (by ``seed``)
@@ -262,25 +272,19 @@ def regeneration_prompts(
     """
     counts = {**PROMPT_COUNTS, "explain": EXPLAIN_PROMPTS, "summary": SUMMARY_PROMPTS}
     budget = SEQ_LEN - REGEN_MAX_TOKENS
-    chosen: list[tuple[str, list[int]]] = []
+    chosen = []
     taken = dict.fromkeys(counts, 0)
     for line in prompts_file.read_text(encoding="utf-8").splitlines():
         item = json.loads(line)
         kind = item["kind"]
-        if taken[kind] >= counts[kind]:
-            continue
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": item["prompt"]}],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        tokens = list(tokenizer.encode(text, add_special_tokens=False))
-        if len(tokens) <= budget:
-            chosen.append((kind, tokens))
+        if (
+            taken[kind] < counts[kind]
+            and len(chat_tokens(tokenizer, item["prompt"])) <= budget
+        ):
+            chosen.append(item)
             taken[kind] += 1
     random.Random(seed).shuffle(chosen)
-    print("prompts: " + ", ".join(f"{k} {n}" for k, n in taken.items()), flush=True)
-    return [t for _, t in chosen], [k for k, _ in chosen]
+    return chosen
 
 
 def regenerated(
@@ -288,52 +292,52 @@ def regenerated(
 ) -> list[Path]:
     """The target's own answers to the prompts, as shards in ``out`` (resumable).
 
-    ``out/manifest.json`` records the recipe and a hash of the prompt list; a
-    rerun whose prompts differ (another Python's standard library, say) warns
-    and still skips the shards that exist, which stay valid training data.
+    The prompt list is committed beside the shards (``prompts.jsonl.gz``) and
+    read back by later runs, so shard ``i`` always answers the same prompts,
+    whatever Python standard library or book sdists a later machine has.
     """
     from mlx_lm import load
 
     from mlx_dspark.data import regenerate_shards
 
     model, tokenizer = load(str(target))
-    prompts_file = next(f for f in files if f.name == "prompts.jsonl")
-    prompts, tags = regeneration_prompts(tokenizer, prompts_file, seed)
-    manifest = {
-        "prompts": len(prompts),
-        "prompts_sha256": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
-        "kinds": {k: tags.count(k) for k in sorted(set(tags))},
-        "shard_size": REGEN_BATCH,
-        "temperatures": list(REGEN_TEMPERATURES),
-        "max_tokens": REGEN_MAX_TOKENS,
-        "seed": seed,
-    }
     out.mkdir(parents=True, exist_ok=True)
-    manifest_path = out / "manifest.json"
-    if manifest_path.exists():
-        old = json.loads(manifest_path.read_text())
-        if old != manifest:
-            print(f"warning: {manifest_path} differs from this run's prompts/recipe; "
-                  "existing shards are kept and skipped", flush=True)  # fmt: skip
-    else:
-        manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
+    listing = out / PROMPT_LIST
+    if not listing.exists():
+        items = regeneration_prompts(
+            tokenizer, next(f for f in files if f.name == "prompts.jsonl"), seed
+        )
+        tmp = listing.with_name(f".{listing.name}.tmp")
+        with gzip.GzipFile(tmp, "wb", mtime=0) as f:
+            f.write("".join(json.dumps(i) + "\n" for i in items).encode("utf-8"))
+        os.replace(tmp, listing)
+    with gzip.open(listing, "rt", encoding="utf-8") as f:
+        items = [json.loads(line) for line in f]
+    kinds = [i["kind"] for i in items]
+    print(
+        "prompts: " + ", ".join(f"{k} {kinds.count(k)}" for k in dict.fromkeys(kinds))
+    )
     print(f"regenerating answers into {out}", flush=True)
 
     def progress(done: int, total: int, tps: float) -> None:
         print(f"  {done}/{total} answers, {tps:.1f} tok/s", flush=True)
 
     return regenerate_shards(
-        prompts, model, tokenizer, out, shard_size=REGEN_BATCH,
-        temperatures=REGEN_TEMPERATURES, max_tokens=REGEN_MAX_TOKENS, seed=seed,
-        tags=tags, max_seconds=None if minutes is None else 60 * minutes,
-        progress=progress,
+        [chat_tokens(tokenizer, i["prompt"]) for i in items], model, tokenizer, out,
+        shard_size=REGEN_BATCH, temperatures=REGEN_TEMPERATURES,
+        max_tokens=REGEN_MAX_TOKENS, seed=seed, tags=kinds,
+        max_seconds=None if minutes is None else 60 * minutes, progress=progress,
     )  # fmt: skip
 
 
 def bench_regeneration(
     target: Path, files: list[Path], seed: int, batches: list[int], max_tokens: int
 ) -> None:
-    """Generated tokens per second at each batch size, same prompts (the first)."""
+    """Generated tokens per second at each batch size, same prompts (the first).
+
+    Also per CPU second (all threads): on a shared machine the wall-clock rate
+    follows the other jobs' load, the CPU-time rate much less.
+    """
     import time
 
     from mlx_lm import load
@@ -342,20 +346,23 @@ def bench_regeneration(
 
     model, tokenizer = load(str(target))
     prompts_file = next(f for f in files if f.name == "prompts.jsonl")
-    prompts, _ = regeneration_prompts(tokenizer, prompts_file, seed)
+    items = regeneration_prompts(tokenizer, prompts_file, seed)
+    prompts = [chat_tokens(tokenizer, i["prompt"]) for i in items[: max(batches)]]
     generate_answers(
         model, tokenizer, prompts[:2], max_tokens=4, temperature=0.0, seed=0
     )
     for batch in batches:
-        tic = time.perf_counter()
+        tic, cpu = time.perf_counter(), time.process_time()
         answers = generate_answers(
             model, tokenizer, prompts[:batch], max_tokens=max_tokens,
             temperature=0.0, seed=seed,
         )  # fmt: skip
         seconds = time.perf_counter() - tic
+        cpu = time.process_time() - cpu
         tokens = sum(len(a) for a in answers)
-        print(f"batch {batch:4d}: {tokens} tokens in {seconds:.1f} s, "
-              f"{tokens / seconds:.1f} tok/s", flush=True)  # fmt: skip
+        print(f"batch {batch:4d}: {tokens} tokens in {seconds:.1f} s "
+              f"({cpu:.1f} CPU s): {tokens / seconds:.1f} tok/s, "
+              f"{tokens / cpu:.1f} tok per CPU s", flush=True)  # fmt: skip
 
 
 def calibration_prompts(work: Path) -> Path:
@@ -424,11 +431,12 @@ def main() -> None:
             target, files, args.seed, args.bench_batches, args.bench_tokens
         )
         return
-    regenerated(target, files, args.regen_dir, args.seed, args.regen_minutes)
+    regen_dir = args.regen_dir.expanduser()
+    regenerated(target, files, regen_dir, args.seed, args.regen_minutes)
     if args.data_only:
         return
-    # Every committed answer shard, also those of another prompt list.
-    files = [*sorted(args.regen_dir.glob("*.jsonl.gz")), *text]
+    answers = sorted(regen_dir.glob("t*.jsonl.gz"))
+    files = [*answers, *text]
     cache = ["--cache-features", str(work / "features")]
     drafter = work / "drafter"
     train(target, files, drafter, [*TRAIN_FLAGS, *cache], env)

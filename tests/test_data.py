@@ -192,3 +192,17 @@ def test_gzip_text_and_jsonl_are_read(target, tmp_path):
     one, _ = load_sequences([plain], tokenizer, 64)
     two, _ = load_sequences([packed], tokenizer, 64)
     assert [s.tokens.tolist() for s in one] == [s.tokens.tolist() for s in two]
+
+
+def test_committed_prompt_list_and_answers():
+    """The prompt list committed with the answers: sized, no held-out prompts."""
+    listing = recipe.REGEN_DIR / recipe.PROMPT_LIST
+    if not listing.exists():
+        pytest.skip("no regenerated answers committed yet")
+    items = [json.loads(line) for line in gzip.open(listing, "rt", encoding="utf-8")]
+    kinds = [i["kind"] for i in items]
+    assert {k: kinds.count(k) for k in recipe.PROMPT_COUNTS} == recipe.PROMPT_COUNTS
+    texts = [i["prompt"] for i in items]
+    assert drafter_prompts.near_duplicates(texts, recipe.HELD_OUT_PROMPTS) == []
+    size = sum(p.stat().st_size for p in recipe.REGEN_DIR.iterdir())
+    assert size < 10 * 2**20
