@@ -77,15 +77,16 @@ class WindowKVCache:
     position (RoPE reads it), ``start`` the position of the first kept token.
     :meth:`update_and_fetch` returns only the keys the new queries may see
     (from ``offset - window + 1`` on) and :meth:`make_mask` the matching
-    causal sliding-window mask, so attention sees what mlx-lm's would.
+    causal sliding-window mask, so attention sees what mlx-lm's would. The
+    buffer grows in steps of ``window`` tokens, so it holds at most about two
+    windows plus the update and copies one window per ``window`` tokens.
     """
-
-    step = 256
 
     def __init__(self, window: int):
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         self.window = window
+        self.step = window
         self.keys = None
         self.values = None
         self.offset = 0
