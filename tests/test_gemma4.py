@@ -401,3 +401,53 @@ def test_sampling_is_exact(head):
     assert stat < chi_square_critical(dof), (stat, dof)
     assert any(r.accepted > 0 for r in stats.rounds)
     assert any(r.accepted < r.verified for r in stats.rounds)
+
+
+def test_mlx_lm_runs_on_the_adapters_cache(model):
+    """mlx-lm's own call accepts the adapter's caches (as the profilers use them)."""
+    adapter = TargetAdapter(model, TAPS)
+    ours, theirs = adapter.make_cache(), adapter.make_cache()
+    prompt = mx.array([PROMPTS[1]])
+    adapter(prompt, ours)
+    model(prompt, cache=theirs)
+    for block in ([3, 4, 5], [6], [7, 8, 9, 10, 11]):
+        a, _ = adapter(mx.array([block]), ours)
+        b = model(mx.array([block]), cache=theirs)
+        assert mx.allclose(a, b, atol=1e-5).item()
+        adapter.rollback(ours, 1)
+        adapter.rollback(theirs, 1)
+
+
+def test_stream_generate_with_the_scheduler_and_tree_refusal(
+    model, tmp_path, monkeypatch
+):
+    from mlx_dspark import stream_generate
+    from mlx_dspark.profile import get_profile
+    from mlx_dspark.structured import PairSpec, _tokenizer_files
+
+    monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path / "cache"))
+    for name, text in _tokenizer_files(PairSpec(vocab_size=VOCAB)).items():
+        (tmp_path / name).write_text(text)
+    from mlx_lm.utils import load_tokenizer
+
+    tokenizer = load_tokenizer(tmp_path)
+    adapter = TargetAdapter(model, TAPS)
+    drafter = random_drafter(adapter, "vanilla")
+    curve = get_profile(
+        model, drafter, profile="refresh", progress=False, contexts=(8, 20)
+    )
+    assert len(curve.batch_sizes) == drafter.block_size + 1
+    prompt = PROMPTS[1]
+    expected = plain_greedy(model, prompt, 24)
+    eos = tokenizer.eos_token_ids
+    expected = expected[: next((i for i, t in enumerate(expected) if t in eos), 24)]
+    for scheduler in ("auto", "threshold"):
+        tokens = [
+            r.token
+            for r in stream_generate(
+                model, tokenizer, drafter, prompt, max_tokens=24, scheduler=scheduler
+            )
+        ]
+        assert tokens[: len(expected)] == expected, scheduler
+    with pytest.raises(DSparkError, match="Gemma-4"):
+        list(stream_generate(model, tokenizer, drafter, prompt, tree_budget=4))
