@@ -10,14 +10,16 @@ import pytest
 from conftest import HEADS, head_id
 from mlx.utils import tree_flatten
 from test_drafter import np_params, randomize, rms, sigmoid
-from test_gemma4 import VOCAB, plain_greedy, tiny_gemma4
+from test_gemma4 import VOCAB, plain_greedy, text_config, tiny_gemma4
 
+from mlx_dspark import load, stream_generate
 from mlx_dspark.config import DraftConfig
 from mlx_dspark.drafter import DSparkDrafter
 from mlx_dspark.errors import DSparkError
 from mlx_dspark.loading import load_drafter
 from mlx_dspark.loop import GenerationStats, speculative_generate_step
 from mlx_dspark.sampling import SamplingParams
+from mlx_dspark.structured import PairSpec, _tokenizer_files
 from mlx_dspark.target import TargetAdapter
 
 D, HEADS_Q, HEAD_DIM, LAYERS, CAP = 32, 4, 16, 2, 5.0
@@ -298,3 +300,42 @@ def test_convert_quantizes_a_gemma4_drafter(tmp_path, bits):
         logits.append(drafter.logits(hidden))
     error = mx.abs(logits[0] - logits[1]).max().item()
     assert 0 < error < (0.1 if bits == 8 else 1.0), error
+
+
+def test_load_and_generate_from_directories(tmp_path):
+    """A saved multimodal-wrapper Gemma-4 target and a DeepSpec Gemma-4
+    drafter load with ``load`` (self-check included) and generate mlx-lm's
+    greedy output."""
+    model = tiny_gemma4(seed=13, wrapper=True)
+    target_dir = tmp_path / "target"
+    target_dir.mkdir()
+    config = {"model_type": "gemma4", "text_config": text_config(), "vocab_size": VOCAB}
+    (target_dir / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(
+        str(target_dir / "model.safetensors"), dict(tree_flatten(model.parameters()))
+    )
+    for name, text in _tokenizer_files(PairSpec(vocab_size=VOCAB)).items():
+        (target_dir / name).write_text(text)
+    target = TargetAdapter(model, [0, 2])
+    draft_config = gemma_config(head="rnn", vocab=VOCAB)
+    source = DSparkDrafter(DraftConfig.from_dict(draft_config))
+    source.own_embeddings()
+    randomize(source, np.random.default_rng(7))
+    source.embed_tokens.weight = target.inner.embed_tokens.weight
+    source.lm_head.weight = target.text.lm_head.weight
+    write_checkpoint(tmp_path / "drafter", draft_config, source)
+
+    loaded, tokenizer, drafter = load(target_dir, tmp_path / "drafter")
+    assert drafter.shares_embeddings
+    prompt = [5, 7, 1, 2, 9, 3, 4, 0, 2]
+    expected = plain_greedy(loaded, prompt, 20)
+    eos = tokenizer.eos_token_ids
+    expected = expected[: next((i for i, t in enumerate(expected) if t in eos), 20)]
+    tokens = [
+        r.token
+        for r in stream_generate(
+            loaded, tokenizer, drafter, prompt, max_tokens=20, scheduler="threshold"
+        )
+    ]
+    assert len(expected) >= 8, expected
+    assert tokens[: len(expected)] == expected
