@@ -300,6 +300,15 @@ def test_convert_quantizes_a_gemma4_drafter(tmp_path, bits):
         logits.append(drafter.logits(hidden))
     error = mx.abs(logits[0] - logits[1]).max().item()
     assert 0 < error < (0.1 if bits == 8 else 1.0), error
+    # Exported back to a DeepSpec checkpoint (dequantized), it drafts the same.
+    back = tmp_path / "back"
+    convert_main(["--draft-model", str(out), "--out", str(back), "--to", "deepspec"])
+    assert json.loads((back / "config.json").read_text())["architectures"] == [
+        "Gemma4DSparkModel"
+    ]
+    drafter = load_drafter(back, model)
+    hidden = drafter(block, 6, features.astype(mx.float32), drafter.make_cache())
+    assert mx.allclose(drafter.logits(hidden), logits[1], atol=1e-2).item()
 
 
 def test_load_and_generate_from_directories(tmp_path):
