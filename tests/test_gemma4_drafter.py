@@ -2,7 +2,9 @@
 independent numpy reading of its equations, loaded from a DeepSpec-format
 checkpoint and run on a tiny Gemma-4 target with every sequential head."""
 
+import itertools
 import json
+from collections import Counter
 
 import mlx.core as mx
 import numpy as np
@@ -10,7 +12,16 @@ import pytest
 from conftest import HEADS, head_id
 from mlx.utils import tree_flatten
 from test_drafter import np_params, randomize, rms, sigmoid
-from test_gemma4 import VOCAB, plain_greedy, text_config, tiny_gemma4
+from test_gemma4 import (
+    SAMPLING_PROMPT,
+    SEEDS,
+    VOCAB,
+    exact_joint,
+    plain_greedy,
+    text_config,
+    tiny_gemma4,
+)
+from test_sampling import chi_square, chi_square_critical
 
 from mlx_dspark import load, stream_generate
 from mlx_dspark.config import DraftConfig
@@ -237,7 +248,8 @@ def test_checkpoint_loads_and_runs_on_a_gemma4_target(tmp_path, head):
     assert mx.allclose(drafter.logits(hidden), target.lm_head(hidden)).item()
     prompt = [5, 7, 1, 2, 9, 3, 4, 0, 2]
     expected = plain_greedy(model, prompt, 24)
-    for params in (SamplingParams(), SamplingParams(temperature=1.0)):
+    runs = [(SamplingParams(), n) for n in (1, 2, 4)]
+    for params, num_draft in [*runs, (SamplingParams(temperature=1.0), 4)]:
         stats = GenerationStats()
         tokens = [
             t
@@ -246,7 +258,7 @@ def test_checkpoint_loads_and_runs_on_a_gemma4_target(tmp_path, head):
                 target,
                 drafter,
                 params=params,
-                num_draft=4,
+                num_draft=num_draft,
                 max_tokens=24,
                 seed=0,
                 stats=stats,
@@ -348,3 +360,30 @@ def test_load_and_generate_from_directories(tmp_path):
     ]
     assert len(expected) >= 8, expected
     assert tokens[: len(expected)] == expected
+
+
+def test_sampling_is_exact_with_a_gemma4_drafter():
+    """Rejection sampling against the soft-capped draft distribution of a
+    Gemma-4 drafter with its own head keeps the target's distribution."""
+    model = tiny_gemma4(seed=4)
+    target = TargetAdapter(model, [0, 2])
+    drafter = gemma_drafter(seed=8, head="gated", vocab=VOCAB, block_size=4)
+    params = SamplingParams(temperature=1.0)
+    joint = exact_joint(model, params)
+    samples, stats = Counter(), GenerationStats()
+    for seed in range(SEEDS):
+        tokens = speculative_generate_step(
+            mx.array(SAMPLING_PROMPT),
+            target,
+            drafter,
+            params=params,
+            max_tokens=3,
+            seed=seed,
+            stats=stats,
+        )
+        samples[tuple(t for t, _ in itertools.islice(tokens, 3))] += 1
+    stat, dof = chi_square(samples, joint, SEEDS)
+    assert dof >= 5
+    assert stat < chi_square_critical(dof), (stat, dof)
+    assert any(r.accepted > 0 for r in stats.rounds)
+    assert any(r.accepted < r.verified for r in stats.rounds)
