@@ -13,6 +13,13 @@ norms, its own ``rope`` called with per-node offsets (tokens moved into the
 batch axis, where ``mx.fast.rope`` takes one offset per row), the layer's own
 KV cache, and :func:`mlx_dspark.metal.tree_attention` for the attention. No
 mlx-lm class, module or instance is modified.
+
+Gemma-4 (``gemma4_text`` and the text model of ``gemma4``) runs as
+Gemma4TextModel does: scaled embeddings, per-layer inputs, sliding-window
+and full-attention masks, KV-shared layers and soft-capped logits. Its
+sliding-window layers keep a :class:`WindowKVCache` instead of mlx-lm's
+rotating cache so that rejected drafts roll back exactly; tree verification
+is refused for it.
 """
 
 from __future__ import annotations
