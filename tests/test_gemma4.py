@@ -168,10 +168,12 @@ def test_adapter_logits_equal_the_models_call(name):
     adapter.self_check()
 
 
-def test_decoding_with_rollbacks_equals_plain_decoding(model):
+@pytest.mark.parametrize("name", MODELS)
+def test_decoding_with_rollbacks_equals_plain_decoding(name):
     """Rounds of 1..6 tokens, partly rejected and rolled back, give plain
     decoding's logits, and afterwards hold plain decoding's caches: the last
     window of every sliding-window layer and every full-attention key."""
+    model = MODELS[name]()
     adapter = TargetAdapter(model, TAPS)
     prompt = PROMPTS[1]
     sequence = prompt + plain_greedy(model, prompt, 5 * WINDOW)
@@ -201,7 +203,9 @@ def test_decoding_with_rollbacks_equals_plain_decoding(model):
     # Plain decoding to the same point.
     plain = make_prompt_cache(model)
     model(mx.array([sequence[:position]]), cache=plain)
-    assert len(cache) == len(plain) == 4  # two KV-shared layers have none
+    # KV-shared layers have no cache of their own.
+    shared = model.layers[0].self_attn.config.num_kv_shared_layers
+    assert len(cache) == len(plain) == len(model.layers) - shared
     for ours, theirs in zip(cache, plain, strict=True):
         assert ours.offset == theirs.offset == position
         if isinstance(theirs, RotatingKVCache):
@@ -288,6 +292,25 @@ def test_greedy_identical_to_mlx_lm(model, head):
                         end += r.accepted + 1
                     edges = [0, *rejected_at, MAX_TOKENS]
                     assert max(np.diff(edges)) <= WINDOW, edges
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_greedy_identical_on_every_model_variant(name):
+    model = MODELS[name]()
+    adapter = TargetAdapter(model, TAPS)
+    drafter = random_drafter(adapter, "vanilla")
+    prompt = PROMPTS[1]
+    expected = plain_greedy(model, prompt)
+    for mode in (None, OracleMode(expected)):
+        tokens = speculative_generate_step(
+            mx.array(prompt),
+            adapter,
+            drafter,
+            num_draft=2,
+            max_tokens=MAX_TOKENS,
+            mode=mode,
+        )
+        assert [t for t, _ in tokens] == expected
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
