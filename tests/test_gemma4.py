@@ -474,3 +474,20 @@ def test_stream_generate_with_the_scheduler_and_tree_refusal(
         assert tokens[: len(expected)] == expected, scheduler
     with pytest.raises(DSparkError, match="Gemma-4"):
         list(stream_generate(model, tokenizer, drafter, prompt, tree_budget=4))
+
+
+def test_long_prompt_prefilled_in_chunks(model):
+    """A prompt longer than one prefill chunk (512) and many windows."""
+    adapter = TargetAdapter(model, TAPS)
+    drafter = random_drafter(adapter, "rnn")
+    prompt = np.random.default_rng(5).integers(0, VOCAB - 2, 530).tolist()
+    expected = plain_greedy(model, prompt, 24)
+    tokens = speculative_generate_step(
+        mx.array(prompt),
+        adapter,
+        drafter,
+        num_draft=3,
+        max_tokens=24,
+        mode=OracleMode(expected),
+    )
+    assert [t for t, _ in tokens] == expected
