@@ -24,6 +24,7 @@ from mlx_dspark.target import TargetAdapter
 from mlx_dspark.train import (
     TrainArgs,
     default_layer_ids,
+    drafter_config,
     new_drafter,
     train,
     training_hidden,
@@ -503,3 +504,22 @@ def test_block_logits_equal_stepwise(setup, head):
     prev = mx.random.randint(0, 32, (6, 5), key=mx.random.key(2))
     expected = drafter.logits(hidden) + drafter.markov_head.block_bias(prev, hidden)
     assert mx.allclose(draft_logits(drafter, hidden, prev), expected, atol=1e-5)
+
+
+def test_init_from_target_copies_the_top_layer(setup):
+    _, target_dir, model, _, _ = setup
+    target_config = json.loads((Path(target_dir) / "config.json").read_text())
+    target = TargetAdapter(model, default_layer_ids(len(model.layers)))
+    config = drafter_config(
+        target_config, target, layers=1, block_size=5, markov_head="vanilla",
+        markov_rank=8, anchors=4, confidence=True, mask_token_id=31,
+    )  # fmt: skip
+    copied = new_drafter(config, target, 0, init_from_target=True).layers[0]
+    fresh = new_drafter(config, target, 0).layers[0]
+    top = model.layers[-1]
+    for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj"):
+        mine, theirs, other = copied, top, fresh
+        for part in name.split("."):
+            mine, theirs, other = (getattr(m, part) for m in (mine, theirs, other))
+        assert mx.array_equal(mine.weight, theirs.weight.astype(mx.float32)), name
+        assert not mx.array_equal(other.weight, mine.weight), name
