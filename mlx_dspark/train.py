@@ -168,22 +168,10 @@ def train(
     )
     teacher = _teacher(args, target, target_path, sequences, data_hashes, draft_ids)
 
-    def next_batch(step: int) -> tuple[list[int], Batch]:
-        epoch, position = divmod(step, per_epoch)
-        order = np.random.default_rng([args.seed, epoch]).permutation(len(sequences))
-        chunk = order[position * args.batch_size : (position + 1) * args.batch_size]
-        indices = [int(i) for i in chunk]
-        rng = np.random.default_rng([args.seed, 1, step])
-        batch = make_batch(
-            [sequences[i] for i in indices], args.anchors, args.block_size,
-            mask_token_id, args.gamma, rng,
-            None if vocab is None else vocab.target_to_draft,
-        )  # fmt: skip
-        return indices, batch
-
     def save(state: LoopState) -> None:
         save_checkpoint(ckpt, drafter, optimizer, _snapshot(identity, state))
 
+    next_batch = _batches(args, sequences, per_epoch, mask_token_id, vocab)
     status, final = optimise(
         make_step(drafter, optimizer, args.grad_clip), next_batch, teacher, state,
         total, log_every=args.log_every, checkpoint_every=args.checkpoint_every,
@@ -197,18 +185,8 @@ def train(
             file=sys.stderr,
         )
         return TrainResult(status, None, ckpt, state.step, final, state.history)
-    record = {
-        "format": "mlx-dspark training record v2", "arguments": asdict(args),
-        "target": str(target_path), "target_layer_ids": layer_ids,
-        "mask_token_id": mask_token_id, "inputs": inputs, "data": data_hashes,
-        "data_report": report.to_dict(),
-        "draft_vocab_label_coverage": None if vocab is None else vocab.coverage,
-        "steps": state.step, "steps_per_epoch": per_epoch,
-        "train_time_s": state.train_time_s, "block_positions": state.block_positions,
-        "block_positions_per_s": state.positions_per_s, "final_metrics": final,
-        "history_columns": ["step", *METRICS], "history": state.history,
-        "versions": {"mlx": mx.__version__, "mlx_lm": _mlx_lm_version()},
-    }  # fmt: skip
+    record = _record(args, target_path, layer_ids, mask_token_id, inputs, data_hashes,
+                     report, vocab, state, per_epoch, final)  # fmt: skip
     if out.exists() and args.force:
         shutil.rmtree(out)
     quantize = (
@@ -351,6 +329,51 @@ def _teacher(args, target, target_path, sequences, data_hashes, draft_ids):
         )  # fmt: skip
     _say(args, f"teacher store: {directory} ({store.nbytes / 2**20:.0f} MiB)")
     return store
+
+
+def _batches(
+    args: TrainArgs,
+    sequences: list,
+    per_epoch: int,
+    mask_token_id: int,
+    vocab: DraftVocabulary | None,
+) -> Callable[[int], tuple[list[int], Batch]]:
+    """Step -> (sequence indices, batch): epochs in a seeded order, anchors
+    seeded by the step, so that a resumed run sees the same batches."""
+
+    def next_batch(step: int) -> tuple[list[int], Batch]:
+        epoch, position = divmod(step, per_epoch)
+        order = np.random.default_rng([args.seed, epoch]).permutation(len(sequences))
+        chunk = order[position * args.batch_size : (position + 1) * args.batch_size]
+        indices = [int(i) for i in chunk]
+        rng = np.random.default_rng([args.seed, 1, step])
+        batch = make_batch(
+            [sequences[i] for i in indices], args.anchors, args.block_size,
+            mask_token_id, args.gamma, rng,
+            None if vocab is None else vocab.target_to_draft,
+        )  # fmt: skip
+        return indices, batch
+
+    return next_batch
+
+
+def _record(
+    args, target_path, layer_ids, mask_token_id, inputs, data_hashes, report,
+    vocab, state: LoopState, per_epoch: int, final: dict,
+) -> dict:  # fmt: skip
+    """``training_record.json``: arguments, data, throughput, metrics."""
+    return {
+        "format": "mlx-dspark training record v2", "arguments": asdict(args),
+        "target": str(target_path), "target_layer_ids": layer_ids,
+        "mask_token_id": mask_token_id, "inputs": inputs, "data": data_hashes,
+        "data_report": report.to_dict(),
+        "draft_vocab_label_coverage": None if vocab is None else vocab.coverage,
+        "steps": state.step, "steps_per_epoch": per_epoch,
+        "train_time_s": state.train_time_s, "block_positions": state.block_positions,
+        "block_positions_per_s": state.positions_per_s, "final_metrics": final,
+        "history_columns": ["step", *METRICS], "history": state.history,
+        "versions": {"mlx": mx.__version__, "mlx_lm": _mlx_lm_version()},
+    }  # fmt: skip
 
 
 def _resume(args, ckpt: Path, drafter, optimizer, identity: dict) -> LoopState:
