@@ -26,7 +26,8 @@ Steps (each is skipped when its output already exists, so a rerun resumes):
    uses the shards that exist. ``--data-only`` stops after this step.
 4. ``mlx_dspark.train`` on the answers and the plain text (flags below:
    1 layer, vanilla TSH rank 64, block 7, an 8192-token draft vocabulary,
-   one epoch of 8 sequences per step; target features are cached on disk for the ablation), written 4-bit;
+   one epoch of 8 sequences per step; the target's features and distributions
+   are computed once into a teacher store, reused by the ablation), written 4-bit;
    then ``mlx_dspark.calibrate`` on held-out prompts writes the STS calibration.
 5. ``--install`` copies it into ``mlx_dspark/assets/default_drafter/``.
 6. ``--ablation`` also trains the vanilla, gated, rnn and no-TSH heads with one
@@ -387,7 +388,7 @@ def train(
 
 def ablation(work: Path, target: Path, files: list[Path], env: dict) -> None:
     """The four sequential heads with one budget, then held-out acceptance."""
-    cache = ["--cache-features", str(work / "features")]
+    cache = ["--teacher-store", str(work / "teacher")]
     for head in ("vanilla", "gated", "rnn", "none"):
         flags = [*COMMON_FLAGS, *cache, "--markov-head", head,
                  "--batch-size", str(ABLATION_BATCH), "--steps", str(ABLATION_STEPS)]  # fmt: skip
@@ -437,7 +438,7 @@ def main() -> None:
         return
     answers = sorted(regen_dir.glob("t*.jsonl.gz"))
     files = [*answers, *text]
-    cache = ["--cache-features", str(work / "features")]
+    cache = ["--teacher-store", str(work / "teacher")]
     drafter = work / "drafter"
     train(target, files, drafter, [*TRAIN_FLAGS, *cache], env)
     if not (drafter / "dspark_calibration.json").exists():
