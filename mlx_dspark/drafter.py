@@ -129,6 +129,83 @@ class DraftLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+class Gemma4DraftAttention(DraftAttention):
+    """DeepSpec's Gemma-4 draft attention: ``global_head_dim`` heads, RMS-normed
+    queries and keys, values normed without a scale, K = V (before their
+    norms) when ``attention_k_eq_v``, the target's full-attention RoPE and an
+    attention scale of 1."""
+
+    def __init__(self, config: DraftConfig):
+        nn.Module.__init__(self)
+        dim, head_dim = config.hidden_size, config.global_head_dim
+        self.n_heads = config.num_attention_heads
+        self.k_eq_v = bool(config.attention_k_eq_v)
+        self.n_kv_heads = (
+            config.num_global_key_value_heads
+            if self.k_eq_v
+            else config.num_key_value_heads
+        )
+        self.scale = 1.0
+        self.eps = config.rms_norm_eps
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(dim, self.n_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=bias)
+        if not self.k_eq_v:
+            self.v_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * head_dim, dim, bias=bias)
+        self.q_norm = nn.RMSNorm(head_dim, eps=config.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(head_dim, eps=config.rms_norm_eps)
+        full = (config.rope_parameters or {}).get("full_attention", {})
+        self.rope = initialize_rope(
+            head_dim,
+            base=full.get("rope_theta", config.rope_theta),
+            traditional=False,
+            scaling_config=full,
+            max_position_embeddings=config.max_position_embeddings,
+        )
+
+    def key_values(self, x: mx.array, offset) -> tuple[mx.array, mx.array]:
+        keys = self._heads(self.k_proj(x), self.n_kv_heads)
+        values = keys if self.k_eq_v else self._heads(self.v_proj(x), self.n_kv_heads)
+        values = mx.fast.rms_norm(values, None, self.eps)
+        return self.rope(self.k_norm(keys), offset=offset), values
+
+
+class Gemma4DraftMLP(DraftMLP):
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Gemma4DraftLayer(nn.Module):
+    """Gemma-4's sandwich-normed block: each branch is normed before and
+    after, and the layer output is multiplied by ``layer_scalar``."""
+
+    def __init__(self, config: DraftConfig, index: int):
+        super().__init__()
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = Gemma4DraftAttention(config)
+        # Gemma-4's rule for double-width MLPs (KV-shared layers), as the
+        # target's text config carries over to the drafter.
+        first_shared = config.num_hidden_layers - config.num_kv_shared_layers
+        wide = config.use_double_wide_mlp and index >= first_shared > 0
+        self.mlp = Gemma4DraftMLP(d, config.intermediate_size * (2 if wide else 1))
+        self.input_layernorm = nn.RMSNorm(d, eps=eps)
+        self.post_attention_layernorm = nn.RMSNorm(d, eps=eps)
+        self.pre_feedforward_layernorm = nn.RMSNorm(d, eps=eps)
+        self.post_feedforward_layernorm = nn.RMSNorm(d, eps=eps)
+        self.layer_scalar = mx.ones((1,))
+
+    def __call__(self, x, offset, context_keys, context_values, mask=None):
+        h = self.self_attn(
+            self.input_layernorm(x), offset, context_keys, context_values, mask
+        )
+        h = x + self.post_attention_layernorm(h)
+        h = h + self.post_feedforward_layernorm(
+            self.mlp(self.pre_feedforward_layernorm(h))
+        )
+        return h * self.layer_scalar
+
+
 class DSparkDrafter(nn.Module):
     def __init__(self, config: DraftConfig):
         super().__init__()
@@ -136,7 +213,12 @@ class DSparkDrafter(nn.Module):
         d = config.hidden_size
         self.fc = nn.Linear(len(config.target_layer_ids) * d, d, bias=False)
         self.hidden_norm = nn.RMSNorm(d, eps=config.rms_norm_eps)
-        self.layers = [DraftLayer(config) for _ in range(config.num_hidden_layers)]
+        if config.is_gemma4:
+            self.layers = [
+                Gemma4DraftLayer(config, i) for i in range(config.num_hidden_layers)
+            ]
+        else:
+            self.layers = [DraftLayer(config) for _ in range(config.num_hidden_layers)]
         self.norm = nn.RMSNorm(d, eps=config.rms_norm_eps)
         self.markov_head = build_markov_head(config)
         if config.enable_confidence_head:
@@ -190,15 +272,28 @@ class DSparkDrafter(nn.Module):
         return self._shared_embed is not None
 
     def embed(self, tokens: mx.array) -> mx.array:
+        """Token embeddings; Gemma-4 scales them by ``sqrt(hidden_size)`` (in
+        their dtype, as its scaled embedding does)."""
         if self._shared_embed is None:
-            return self.embed_tokens(tokens)
-        return self._shared_embed(tokens)
+            h = self.embed_tokens(tokens)
+        else:
+            h = self._shared_embed(tokens)
+        if self.config.is_gemma4:
+            h = h * mx.array(self.config.hidden_size**0.5, dtype=h.dtype)
+        return h
 
     def logits(self, hidden: mx.array) -> mx.array:
-        """Base logits over the drafter's output vocabulary (see ``to_target``)."""
-        if self._shared_head is None:
-            return self.lm_head(hidden)
-        return self._shared_head(hidden)
+        """Base logits over the drafter's output vocabulary (see ``to_target``).
+
+        Gemma-4 soft-caps them with ``final_logit_softcapping``; a head shared
+        with a Gemma-4 target is the target's, which caps them already."""
+        if self._shared_head is not None:
+            return self._shared_head(hidden)
+        logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        if self.config.is_gemma4 and cap:
+            logits = mx.tanh(logits / cap) * cap
+        return logits
 
     def to_target(self, logits: mx.array) -> mx.array:
         """Scatter draft-vocabulary logits into the target vocabulary.

@@ -264,6 +264,10 @@ def build_drafter(
         raise DSparkError(
             "The drafter has no embedding or LM head of its own; load it with its target."
         )
+    if config.is_gemma4:
+        # DeepSpec's layer_scalar is a buffer of ones that a checkpoint may omit.
+        for i in range(config.num_hidden_layers):
+            weights.setdefault(f"layers.{i}.layer_scalar", mx.ones((1,)))
     drafter.own_embeddings(embed=not share_embed, head=not share_head)
     drafter.share_embeddings(
         target.embed if share_embed else None,
@@ -343,8 +347,8 @@ def _check_draft_to_target(table: mx.array, config: DraftConfig) -> mx.array:
 
 
 def _target_head_weight(target: TargetAdapter) -> mx.array:
-    if "lm_head" in target.model:
-        return target.model.lm_head.weight
+    if "lm_head" in target.text:
+        return target.text.lm_head.weight
     return target.inner.embed_tokens.weight
 
 

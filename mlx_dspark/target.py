@@ -13,6 +13,13 @@ norms, its own ``rope`` called with per-node offsets (tokens moved into the
 batch axis, where ``mx.fast.rope`` takes one offset per row), the layer's own
 KV cache, and :func:`mlx_dspark.metal.tree_attention` for the attention. No
 mlx-lm class, module or instance is modified.
+
+Gemma-4 (``gemma4_text`` and the text model of ``gemma4``) runs as
+Gemma4TextModel does: scaled embeddings, per-layer inputs, sliding-window
+and full-attention masks, KV-shared layers and soft-capped logits. Its
+sliding-window layers keep a :class:`WindowKVCache` instead of mlx-lm's
+rotating cache so that rejected drafts roll back exactly; tree verification
+is refused for it.
 """
 
 from __future__ import annotations
@@ -21,14 +28,26 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.base import create_attention_mask, create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.models.gemma4_text import logit_softcap
 
 from .errors import DSparkError
 from .metal.dispatch import tree_attention
 from .metal.numpy_reference import ancestor_bitmask
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral", "gemma4_text", "gemma4")
+GEMMA4_TYPES = ("gemma4_text", "gemma4")
+# What the Gemma-4 path reads from mlx-lm's Gemma4TextModel.
+_GEMMA4_PARTS = (
+    "embed_scale",
+    "window_size",
+    "previous_kvs",
+    "hidden_size_per_layer_input",
+    "_get_per_layer_inputs",
+    "_project_per_layer_inputs",
+    "_make_masks",
+)
 _TREE_BLOCK_PARTS = ("self_attn", "input_layernorm", "post_attention_layernorm", "mlp")
 _TREE_ATTENTION_PARTS = (
     "q_proj",
@@ -52,6 +71,112 @@ def tree_depths(parents: Sequence[int]) -> list[int]:
     return depths
 
 
+class WindowKVCache:
+    """A sliding-window layer's cache that can be rolled back exactly.
+
+    mlx-lm keeps sliding-window layers in a ``RotatingKVCache``, which
+    overwrites the oldest slot in place and so cannot be trimmed once it has
+    wrapped. This cache instead keeps, in temporal order, the ``window - 1``
+    tokens before the last update plus everything that update added (the
+    window and the largest block), dropping older tokens only when it grows
+    its buffer. Rolling back up to the whole last update therefore restores
+    exactly the window plain decoding would hold. ``offset`` is the absolute
+    position (RoPE reads it), ``start`` the position of the first kept token.
+    :meth:`update_and_fetch` returns only the keys the new queries may see
+    (from ``offset - window + 1`` on) and :meth:`make_mask` the matching
+    causal sliding-window mask, so attention sees what mlx-lm's would. The
+    buffer grows in steps of ``window`` tokens, so it holds at most about two
+    windows plus the update and copies one window per ``window`` tokens.
+    """
+
+    def __init__(self, window: int):
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.window = window
+        self.step = window
+        self.keys = None
+        self.values = None
+        self.offset = 0
+        self.start = 0
+
+    def _visible(self, offset: int) -> int:
+        """Index of the first kept token a query at ``offset`` may attend to."""
+        return max(offset - self.window + 1, self.start) - self.start
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        prev, n = self.offset, keys.shape[2]
+        used = prev - self.start
+        if self.keys is None or used + n > self.keys.shape[2]:
+            drop = max(0, used - (self.window - 1))
+            size = (used - drop + n + self.step - 1) // self.step * self.step
+            B, H, _, dk = keys.shape
+            new_k = mx.zeros((B, H, size, dk), keys.dtype)
+            new_v = mx.zeros((B, H, size, values.shape[3]), values.dtype)
+            if used > drop:
+                new_k[..., : used - drop, :] = self.keys[..., drop:used, :]
+                new_v[..., : used - drop, :] = self.values[..., drop:used, :]
+            self.keys, self.values = new_k, new_v
+            self.start += drop
+            used -= drop
+        self.keys[..., used : used + n, :] = keys
+        self.values[..., used : used + n, :] = values
+        self.offset = prev + n
+        first = self._visible(prev)
+        return (
+            self.keys[..., first : used + n, :],
+            self.values[..., first : used + n, :],
+        )
+
+    def make_mask(
+        self, N: int, window_size: int | None = None, return_array: bool = False
+    ):
+        """The mask of the next update of ``N`` queries over what it returns."""
+        window = window_size or self.window
+        if window != self.window:
+            raise ValueError(f"mask window {window} != cache window {self.window}")
+        past = self.offset - self.start - self._visible(self.offset)
+        if N == 1:
+            return None
+        if return_array or past + N > window:
+            return create_causal_mask(N, past, window_size=window)
+        return "causal"
+
+    def window_state(self) -> tuple[mx.array, mx.array]:
+        """The last ``window`` tokens' keys and values in temporal order: what
+        mlx-lm's ``RotatingKVCache`` holds after plain decoding."""
+        first = max(self.offset - self.window, self.start) - self.start
+        used = self.offset - self.start
+        return self.keys[..., first:used, :], self.values[..., first:used, :]
+
+    @property
+    def state(self):
+        used = self.offset - self.start
+        return self.keys[..., :used, :], self.values[..., :used, :]
+
+    def size(self) -> int:
+        return min(self.offset, self.window)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        if self.start > max(self.offset - n - self.window + 1, 0):
+            raise DSparkError(
+                f"This sliding-window cache no longer holds the window {n} tokens "
+                "back; it rolls back at most the tokens of its last update."
+            )
+        self.offset -= n
+        return n
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
 class TargetAdapter:
     """Hidden-state taps, cache rollback and embeddings of an mlx-lm model.
 
@@ -63,7 +188,11 @@ class TargetAdapter:
         model_type = getattr(model, "model_type", None) or getattr(
             getattr(model, "args", None), "model_type", None
         )
-        inner = getattr(model, "model", None)
+        # Gemma-4's multimodal wrapper holds the text model as language_model.
+        text = (
+            getattr(model, "language_model", model) if model_type == "gemma4" else model
+        )
+        inner = getattr(text, "model", None)
         if model_type not in SUPPORTED_MODEL_TYPES or not all(
             hasattr(inner, name) for name in ("embed_tokens", "layers", "norm")
         ):
@@ -73,8 +202,10 @@ class TargetAdapter:
             )
         self.model = model
         self.model_type = model_type
+        self.text = text
         self.inner = inner
         self.layers = inner.layers
+        self.is_gemma4 = model_type in GEMMA4_TYPES
         self.layer_ids = [int(i) for i in layer_ids]
         last = len(self.layers) - 1
         for i in self.layer_ids:
@@ -83,7 +214,13 @@ class TargetAdapter:
                     f"target_layer_ids {self.layer_ids} must lie in -1..{last - 1} "
                     f"for a target with {len(self.layers)} layers (not its last layer)."
                 )
-        if any(getattr(layer, "use_sliding", False) for layer in self.layers):
+        if self.is_gemma4:
+            if not all(hasattr(inner, name) for name in _GEMMA4_PARTS):
+                raise DSparkError(
+                    "This mlx-lm version's Gemma-4 model lacks what the adapter "
+                    "runs; use the mlx-lm version this package pins."
+                )
+        elif any(getattr(layer, "use_sliding", False) for layer in self.layers):
             raise DSparkError(
                 "The target uses sliding-window attention, whose cache cannot be "
                 "rolled back after rejected drafts."
@@ -105,11 +242,29 @@ class TargetAdapter:
         return self.inner.embed_tokens(tokens)
 
     def lm_head(self, hidden: mx.array) -> mx.array:
-        if "lm_head" in self.model:
-            return self.model.lm_head(hidden)
-        return self.inner.embed_tokens.as_linear(hidden)
+        """Logits as the model's own call makes them (Gemma-4: soft-capped)."""
+        if "lm_head" in self.text:
+            logits = self.text.lm_head(hidden)
+        else:
+            logits = self.inner.embed_tokens.as_linear(hidden)
+        cap = getattr(self.text, "final_logit_softcapping", None)
+        return logit_softcap(cap, logits) if cap else logits
 
     def make_cache(self) -> list:
+        """One cache per layer that keeps its own keys and values. Gemma-4's
+        sliding-window layers get a :class:`WindowKVCache` instead of mlx-lm's
+        rotating cache; its KV-shared layers have none (they read an earlier
+        layer's)."""
+        if self.is_gemma4:
+            kinds = [
+                layer.self_attn.is_sliding
+                for layer in self.layers
+                if layer.self_attn.has_kv
+            ]
+            window = self.inner.window_size
+            return [
+                WindowKVCache(window) if sliding else KVCache() for sliding in kinds
+            ]
         cache = make_prompt_cache(self.model)
         if not all(isinstance(c, KVCache) for c in cache):
             kinds = sorted({type(c).__name__ for c in cache})
@@ -146,14 +301,22 @@ class TargetAdapter:
 
     @property
     def supports_tree(self) -> bool:
-        """Whether every layer has the block structure :meth:`tree_forward` runs."""
-        return all(
+        """Whether every layer has the block structure :meth:`tree_forward` runs.
+
+        Not Gemma-4: its sliding windows, KV-shared layers and per-layer
+        inputs are not in the tree forward."""
+        return not self.is_gemma4 and all(
             all(hasattr(layer, name) for name in _TREE_BLOCK_PARTS)
             and all(hasattr(layer.self_attn, name) for name in _TREE_ATTENTION_PARTS)
             for layer in self.layers
         )
 
     def check_tree(self) -> None:
+        if self.is_gemma4:
+            raise DSparkError(
+                "Tree verification does not support Gemma-4 targets (sliding-window "
+                "and KV-shared layers); use chain drafting (tree budget 0)."
+            )
         if not self.supports_tree:
             raise DSparkError(
                 f"Tree verification does not support this {self.model_type} model's "
@@ -228,6 +391,8 @@ class TargetAdapter:
     def hidden(self, tokens: mx.array, cache: list) -> tuple[mx.array, mx.array | None]:
         """Final normalised hidden states ``[B, L, d]`` (``lm_head`` input) and
         tapped features ``[B, L, len(ids) * d]``."""
+        if self.is_gemma4:
+            return self._gemma4_hidden(tokens, cache)
         h = self.embed(tokens)
         mask = create_attention_mask(h, cache[0])
         taps = [h] if -1 in self.layer_ids else []
@@ -237,6 +402,40 @@ class TargetAdapter:
                 taps.append(h)
         features = mx.concatenate(taps, axis=-1) if taps else None
         return self.inner.norm(h), features
+
+    def _gemma4_hidden(
+        self, tokens: mx.array, cache: list
+    ) -> tuple[mx.array, mx.array | None]:
+        """Gemma4TextModel's forward, step for step, with taps: scaled
+        embeddings, per-layer inputs, per-type masks, and KV-shared layers fed
+        the keys, values and RoPE offset of the earlier layer they share."""
+        inner = self.inner
+        embeddings = inner.embed_tokens(tokens)
+        h = embeddings * inner.embed_scale
+        per_layer = [None] * len(self.layers)
+        if inner.hidden_size_per_layer_input:
+            inputs = inner._get_per_layer_inputs(tokens, embeddings)
+            inputs = inner._project_per_layer_inputs(h, inputs)
+            per_layer = [inputs[:, :, i, :] for i in range(len(self.layers))]
+        cache = list(cache) + [None] * (len(self.layers) - len(cache))
+        masks = inner._make_masks(h, cache)
+        taps = [h] if -1 in self.layer_ids else []
+        shared = [(None, None)] * len(self.layers)
+        for i, layer in enumerate(self.layers):
+            kvs, offset = shared[inner.previous_kvs[i]]
+            h, kvs, offset = layer(
+                h,
+                masks[i],
+                cache[i],
+                per_layer_input=per_layer[i],
+                shared_kv=kvs,
+                offset=offset,
+            )
+            shared[i] = (kvs, offset)
+            if i in self.layer_ids:
+                taps.append(h)
+        features = mx.concatenate(taps, axis=-1) if taps else None
+        return inner.norm(h), features
 
     def __call__(
         self, tokens: mx.array, cache: list
@@ -284,21 +483,24 @@ class TargetAdapter:
         if len(caches) != len(lengths) or min(lengths, default=0) < 1:
             raise ValueError("one non-empty token list per cache is required")
         width = max(lengths)
-        contexts = [c[0].offset for c in caches]
-        longest = max(contexts)
+        offsets = [c[0].offset for c in caches]
         batch_cache = []
-        for layer in range(len(self.layers)):
+        for layer in range(len(caches[0])):
+            past = [_past(cache[layer]) for cache in caches]
+            longest = max(k.shape[2] for k, _ in past)
             keys, values = [], []
-            for cache, context in zip(caches, contexts, strict=True):
-                k, v = cache[layer].state[:2]
-                pad = [(0, 0), (0, 0), (longest - context, 0), (0, 0)]
-                keys.append(mx.pad(k[..., :context, :], pad))
-                values.append(mx.pad(v[..., :context, :], pad))
-            stacked = BatchKVCache([longest - c for c in contexts])
+            for k, v in past:
+                pad = [(0, 0), (0, 0), (longest - k.shape[2], 0), (0, 0)]
+                keys.append(mx.pad(k, pad))
+                values.append(mx.pad(v, pad))
+            stacked = BatchKVCache([longest - k.shape[2] for k, _ in past])
             if longest:
                 stacked.update_and_fetch(
                     mx.concatenate(keys, axis=0), mx.concatenate(values, axis=0)
                 )
+            # A sliding-window layer passes on only its window: RoPE must
+            # still see each request's absolute position.
+            stacked.offset = mx.array(offsets)
             batch_cache.append(stacked)
         padded = mx.array([list(t) + [0] * (width - len(t)) for t in tokens])
         logits, features = self(padded, batch_cache)
@@ -306,10 +508,20 @@ class TargetAdapter:
         for r, (cache, n) in enumerate(zip(caches, lengths, strict=True)):
             for layer, stacked in zip(cache, batch_cache, strict=True):
                 k, v = stacked.keys_and_values()
+                end = k.shape[2] - width + n
                 layer.update_and_fetch(
-                    k[r : r + 1, :, longest : longest + n],
-                    v[r : r + 1, :, longest : longest + n],
+                    k[r : r + 1, :, end - n : end], v[r : r + 1, :, end - n : end]
                 )
             feats = None if features is None else features[r : r + 1, :n]
             out.append((logits[r : r + 1, :n], feats))
         return out
+
+
+def _past(cache) -> tuple[mx.array, mx.array]:
+    """The cached keys and values a next query may attend to, oldest first."""
+    if isinstance(cache, WindowKVCache):
+        first = cache._visible(cache.offset)
+        keys, values = cache.state
+        return keys[..., first:, :], values[..., first:, :]
+    keys, values = cache.state[:2]
+    return keys[..., : cache.offset, :], values[..., : cache.offset, :]

@@ -489,7 +489,7 @@ def _corrupt(drafter_dir: Path, tmp_path: Path, how: str) -> Path:
         ("f64", "must be bfloat16, float16 or float32"),
         ("pickle", "pytorch_model.bin is not a supported drafter format"),
         ("not-dspark", "Not a DSpark drafter"),
-        ("gemma", "Gemma4DSparkModel is not supported"),
+        ("gemma", "Gemma4DSparkModel config is missing"),
         ("eagle3", "speculators 'eagle3' checkpoint"),
         ("missing-shard", "is missing"),
         ("bad-config", "not valid JSON"),

@@ -101,7 +101,10 @@ def pair_dirs(tmp_path):
         ({"target_layer_ids": [7]}, "must lie in"),
         ({"mask_token_id": 99}, "mask_token_id"),
         ({"markov_head_type": "lstm"}, "markov_head_type"),
-        ({"architectures": ["Gemma4DSparkModel"]}, "not supported"),
+        (
+            {"architectures": ["Gemma4DSparkModel"]},
+            "Gemma4DSparkModel config is missing",
+        ),
         ({"architectures": ["LlamaForCausalLM"]}, "Not a DSpark drafter"),
     ],
 )

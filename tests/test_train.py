@@ -8,8 +8,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
@@ -22,10 +24,14 @@ from mlx_dspark.target import TargetAdapter
 from mlx_dspark.train import (
     TrainArgs,
     default_layer_ids,
+    drafter_config,
     new_drafter,
     train,
     training_hidden,
 )
+from mlx_dspark.training.batches import make_batch
+from mlx_dspark.training.loss import draft_logits, loss_terms
+from mlx_dspark.training.teacher import OnlineTeacher, TeacherStore
 
 PROMPTS = [[1, 2, 3], [7, 8], [20, 4, 11, 9], [0], [13, 5, 5, 21, 2, 17]]
 
@@ -151,6 +157,10 @@ def test_training_learns_and_output_is_lossless(setup):
     record = json.loads((out / "training_record.json").read_text())
     assert record["data"][0]["sha256"] and record["steps"] == 40
     assert record["final_metrics"]["tau"] > 1.0
+    assert 0 < record["block_positions"] <= 40 * 4 * 16 * 7
+    assert record["block_positions_per_s"] == pytest.approx(
+        record["block_positions"] / record["train_time_s"]
+    )
 
     model2, tokenizer2, drafter = load(target_dir, out)
     config = drafter.config
@@ -271,12 +281,10 @@ def test_resume_equals_uninterrupted(setup):
 
 
 def test_feature_cache_multi_epoch(setup, tmp_path):
-    args = base_args(
-        setup, "cached", steps=None, epochs=2, cache_features=str(tmp_path)
-    )
+    args = base_args(setup, "cached", steps=None, epochs=2, teacher_store=str(tmp_path))
     result = train(args)
-    files = list(tmp_path.rglob("*.safetensors"))
-    assert len(files) == 24
+    files = list(tmp_path.rglob("*.npy"))
+    assert len(files) == 3
     assert result.step == 12
     assert result.history[-1][1] < result.history[0][1]
 
@@ -366,3 +374,152 @@ def test_regenerate_is_resumable(setup, tmp_path):
     assert out.read_text().splitlines() == lines
     sequences, _ = load_sequences([out], tokenizer, 64)
     assert len(sequences) == 5
+
+
+def _tiny_drafter(model, head="vanilla", draft_vocab=None):
+    config = DraftConfig.from_dict(
+        {
+            "architectures": ["Qwen3DSparkModel"],
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "intermediate_size": 96,
+            "vocab_size": 32,
+            "block_size": 5,
+            "mask_token_id": 31,
+            "target_layer_ids": [-1, 0],
+            "markov_rank": 8,
+            "markov_head_type": head,
+            "enable_confidence_head": True,
+            "confidence_head_with_markov": True,
+            "rope_theta": 10000.0,
+            **({"draft_vocab_size": draft_vocab} if draft_vocab else {}),
+        }
+    )
+    target = TargetAdapter(model, config.target_layer_ids)
+    ids = None if draft_vocab is None else np.arange(0, 2 * draft_vocab, 2)
+    return new_drafter(config, target, seed=3, draft_ids=ids), target, ids
+
+
+def _reference_hidden(drafter, features, anchors, blocks):
+    """The straightforward training forward: every block gets its own copy of
+    its sequence's context keys/values (``mx.repeat``) and a padding mask."""
+    N, S, _ = features.shape
+    A, B = blocks.shape[1], blocks.shape[2]
+    flat = anchors.reshape(-1).astype(mx.int32)
+    visible = mx.arange(S)[None, :] < flat[:, None]
+    mask = mx.concatenate([visible, mx.ones((N * A, B), dtype=mx.bool_)], axis=1)
+    projected = drafter.hidden_norm(drafter.fc(features))
+    h = drafter.embed(blocks.reshape(N * A, B))
+    for layer in drafter.layers:
+        keys, values = layer.self_attn.key_values(projected, 0)
+        keys, values = mx.repeat(keys, A, axis=0), mx.repeat(values, A, axis=0)
+        h = layer(h, flat, keys, values, mask[:, None, None, :])
+    return drafter.norm(h)
+
+
+def test_shared_context_gradients_equal_the_straightforward_ones(setup):
+    """The throughput path (context K/V shared through the mask) gives the
+    same values and gradients as per-block copies of the context."""
+    _, _, model, _, _ = setup
+    drafter, target, _ = _tiny_drafter(model)
+    tokens = mx.array([[3, 5, 7, 9, 11, 13, 2, 4, 6, 8, 10, 12], [1] * 12])
+    _, features = target.hidden(tokens, target.make_cache())
+    anchors = mx.array([[0, 1, 4, 10], [2, 3, 5, 6]])
+    blocks = mx.stack(
+        [drafter.block_tokens(mx.take(tokens[n], anchors[n])) for n in range(2)]
+    )
+    weights = mx.random.normal((8, 5, 64), key=mx.random.key(0))
+
+    def objective(forward):
+        def f(model, feats):
+            return (forward(model, feats, anchors, blocks) * weights).sum()
+
+        return nn.value_and_grad(drafter, f)
+
+    fast, fast_grads = objective(training_hidden)(drafter, features)
+    slow, slow_grads = objective(_reference_hidden)(drafter, features)
+    assert mx.allclose(fast, slow, rtol=1e-5, atol=1e-4), (fast, slow)
+    flat_fast, flat_slow = (
+        dict(tree_flatten(fast_grads)),
+        dict(tree_flatten(slow_grads)),
+    )
+    assert flat_fast.keys() == flat_slow.keys() and len(flat_fast) > 10
+    for name, g in flat_fast.items():
+        assert mx.allclose(g, flat_slow[name], rtol=1e-4, atol=1e-5), name
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 12])
+def test_stored_teacher_loss_equals_on_the_fly(setup, tmp_path, draft_vocab):
+    """The teacher store (features + target distribution over the draft
+    vocabulary + mass outside it) gives the on-the-fly loss: exactly in
+    float32, within the stated float16 bound otherwise."""
+    _, _, model, tokenizer, data = setup
+    drafter, target, ids = _tiny_drafter(model, draft_vocab=draft_vocab)
+    sequences, _ = load_sequences([data], tokenizer, 64)
+    sequences = sequences[:6]
+    to_draft = None
+    if ids is not None:
+        to_draft = np.full(32, -1, dtype=np.int32)
+        to_draft[ids] = np.arange(len(ids), dtype=np.int32)
+    indices = [4, 1, 3]
+    batch = make_batch(
+        [sequences[i] for i in indices],
+        8,
+        5,
+        31,
+        4.0,
+        np.random.default_rng(0),
+        to_draft,
+    )
+    online = OnlineTeacher(target, ids)
+    loss_and_grad = nn.value_and_grad(drafter, loss_terms)
+    (expected, terms), grads = loss_and_grad(drafter, *online(indices, batch), batch)
+    if ids is not None:
+        assert terms[1].item() > 0 and online(indices, batch)[2].max().item() > 0.01
+    for dtype, tol in (("float32", 1e-5), ("float16", 2e-3)):
+        store = TeacherStore.build(
+            tmp_path / dtype, dtype, target, sequences, ids, dtype=dtype, batch_size=4
+        )
+        assert TeacherStore.complete(tmp_path / dtype, dtype)
+        (loss, got_terms), got_grads = loss_and_grad(
+            drafter, *store(indices, batch), batch
+        )
+        assert abs(loss.item() - expected.item()) < tol, (dtype, loss, expected)
+        for a, b in zip(got_terms, terms, strict=True):
+            assert abs(a.item() - b.item()) < tol, dtype
+        if dtype == "float32":
+            for name, g in tree_flatten(got_grads):
+                assert mx.allclose(g, dict(tree_flatten(grads))[name], atol=1e-5), name
+
+
+@pytest.mark.parametrize("head", ["vanilla", "gated", "rnn"])
+def test_block_logits_equal_stepwise(setup, head):
+    """The one-product Markov bias equals the head's step-by-step bias."""
+    _, _, model, _, _ = setup
+    drafter, _, _ = _tiny_drafter(model, head=head)
+    hidden = mx.random.normal((6, 5, 64), key=mx.random.key(1))
+    prev = mx.random.randint(0, 32, (6, 5), key=mx.random.key(2))
+    expected = drafter.logits(hidden) + drafter.markov_head.block_bias(prev, hidden)
+    assert mx.allclose(draft_logits(drafter, hidden, prev), expected, atol=1e-5)
+
+
+def test_init_from_target_copies_the_top_layer(setup):
+    _, target_dir, model, _, _ = setup
+    target_config = json.loads((Path(target_dir) / "config.json").read_text())
+    target = TargetAdapter(model, default_layer_ids(len(model.layers)))
+    config = drafter_config(
+        target_config, target, layers=1, block_size=5, markov_head="vanilla",
+        markov_rank=8, anchors=4, confidence=True, mask_token_id=31,
+    )  # fmt: skip
+    copied = new_drafter(config, target, 0, init_from_target=True).layers[0]
+    fresh = new_drafter(config, target, 0).layers[0]
+    top = model.layers[-1]
+    for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj"):
+        mine, theirs, other = copied, top, fresh
+        for part in name.split("."):
+            mine, theirs, other = (getattr(m, part) for m in (mine, theirs, other))
+        assert mx.array_equal(mine.weight, theirs.weight.astype(mx.float32)), name
+        assert not mx.array_equal(other.weight, mine.weight), name

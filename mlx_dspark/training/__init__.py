@@ -1,0 +1,11 @@
+"""Training a DSpark drafter, along its seams (``mlx_dspark.train`` drives it).
+
+* :mod:`.model` - the drafter's configuration and initialisation, and the
+  many-blocks-at-once training forward;
+* :mod:`.batches` - anchors, blocks and labels of a step, the draft vocabulary;
+* :mod:`.teacher` - the target's features and distributions: a store computed
+  once and memory-mapped, or computed on the fly;
+* :mod:`.loss` - the DSpark loss (CE + total variation + confidence BCE);
+* :mod:`.trainer` - the optimisation loop;
+* :mod:`.checkpoint` - exact-resume checkpoints and the DeepSpec-format export.
+"""

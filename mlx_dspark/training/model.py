@@ -1,0 +1,269 @@
+"""The drafter for training: configuration, initialisation, training forward."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from ..config import DraftConfig
+from ..drafter import DraftAttention, DraftLayer, DSparkDrafter
+from ..errors import DSparkError
+from ..target import TargetAdapter
+
+
+def default_layer_ids(num_layers: int) -> list[int]:
+    """Evenly spaced taps, DeepSpec style (``1 .. L-3`` for deep targets)."""
+    if num_layers >= 8:
+        ids = np.linspace(1, num_layers - 3, 5)
+    else:
+        ids = np.linspace(0, max(num_layers - 2, 0), min(max(num_layers - 1, 1), 3))
+    return sorted({int(round(i)) for i in ids})
+
+
+def drafter_config(
+    target_config: dict,
+    adapter: TargetAdapter,
+    *,
+    layers: int,
+    block_size: int,
+    markov_head: str,
+    markov_rank: int,
+    anchors: int,
+    confidence: bool,
+    mask_token_id: int,
+    draft_vocab_size: int | None = None,
+) -> DraftConfig:
+    """The target's config plus the DSpark keys, as DeepSpec writes it."""
+    config = {
+        k: v
+        for k, v in target_config.items()
+        if k not in ("quantization", "quantization_config", "layer_types")
+    }
+    rank = 0 if markov_head == "none" else markov_rank
+    head_dim = config.get("head_dim") or (
+        adapter.hidden_size // config["num_attention_heads"]
+    )
+    config.update(
+        architectures=["Qwen3DSparkModel"],
+        head_dim=head_dim,
+        num_hidden_layers=layers,
+        num_target_layers=adapter.num_layers,
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        target_layer_ids=list(adapter.layer_ids),
+        num_anchors=anchors,
+        markov_rank=rank,
+        markov_head_type=markov_head if rank else "vanilla",
+        enable_confidence_head=confidence,
+        confidence_head_with_markov=bool(confidence and rank),
+        tie_word_embeddings=False,
+        layer_types=["full_attention"] * layers,
+    )
+    if draft_vocab_size is not None:
+        config["draft_vocab_size"] = draft_vocab_size
+    config.setdefault("rope_theta", 10000.0)
+    config.setdefault("rms_norm_eps", 1e-6)
+    return DraftConfig.from_dict(config)
+
+
+def new_drafter(
+    config: DraftConfig,
+    target: TargetAdapter,
+    seed: int,
+    draft_ids: np.ndarray | None = None,
+    init_from_target: bool = False,
+) -> DSparkDrafter:
+    """A freshly initialised drafter sharing the target's frozen embedding/head.
+
+    With a reduced draft vocabulary (``draft_ids``, target ids) the LM head is
+    the drafter's own: the target head's rows for those ids, also frozen.
+    ``init_from_target`` starts the draft layers from the target's top
+    decoder layers (see :func:`copy_target_layers`).
+    """
+    mx.random.seed(seed)
+    drafter = DSparkDrafter(config)
+    if config.reduced_vocab:
+        drafter.share_embeddings(target.embed, None)
+        drafter.own_embeddings(embed=False, head=True)
+        ids = mx.array(draft_ids)
+        drafter.lm_head.weight = head_weight(target)[ids]
+        drafter.draft_to_target = ids
+        drafter.freeze(keys=["lm_head"], recurse=True)
+    else:
+        drafter.share_embeddings(target.embed, target.lm_head)
+    if init_from_target:
+        copy_target_layers(drafter, target)
+    drafter.update(
+        tree_unflatten(
+            [
+                (k, v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v)
+                for k, v in tree_flatten(drafter.parameters())
+            ]
+        )
+    )
+    # The drafter's output feeds the target's LM head: start from the target's
+    # final-norm scale so that the first logits are on the target's scale.
+    final_norm = getattr(target.inner.norm, "weight", None)
+    if final_norm is not None and final_norm.shape == drafter.norm.weight.shape:
+        drafter.norm.weight = final_norm.astype(mx.float32)
+    mx.eval(drafter.parameters())
+    return drafter
+
+
+_LAYER_PARTS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "self_attn.q_norm",
+    "self_attn.k_norm",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+    "input_layernorm",
+    "post_attention_layernorm",
+)
+
+
+def copy_target_layers(drafter: DSparkDrafter, target: TargetAdapter) -> None:
+    """Start draft layer ``i`` of ``n`` from target layer ``L - n + i``.
+
+    Every weight of the same shape is copied (dequantized); parts the target
+    layer lacks (``q_norm``/``k_norm`` in Llama) keep their initialisation.
+    """
+    layers = drafter.layers
+    sources = target.layers[len(target.layers) - len(layers) :]
+    if len(sources) < len(layers):
+        raise DSparkError("--init-from-target needs as many target layers as drafts.")
+    copied = 0
+    for layer, source in zip(layers, sources, strict=True):
+        for path in _LAYER_PARTS:
+            mine, theirs = _module(layer, path), _module(source, path)
+            if mine is None or theirs is None:
+                continue
+            weight = dense_weight(theirs)
+            if weight.shape != mine.weight.shape:
+                continue
+            mine.weight = weight.astype(mx.float32)
+            bias = theirs.get("bias") if isinstance(theirs, nn.Module) else None
+            if bias is not None and "bias" in mine:
+                mine.bias = bias.astype(mx.float32)
+            copied += 1
+    if copied == 0:
+        raise DSparkError(
+            "--init-from-target found no target weights of the drafter's shapes."
+        )
+
+
+def _module(root: nn.Module, path: str) -> nn.Module | None:
+    for name in path.split("."):
+        root = getattr(root, name, None)
+        if root is None:
+            return None
+    return root if hasattr(root, "weight") else None
+
+
+def head_weight(target: TargetAdapter) -> mx.array:
+    """The target's LM head matrix ``[vocab, hidden]`` (tied or not), dense."""
+    if "lm_head" in target.model:
+        return dense_weight(target.model.lm_head)
+    return dense_weight(target.inner.embed_tokens)
+
+
+def dense_weight(module: nn.Module) -> mx.array:
+    if "scales" in module:
+        return mx.dequantize(
+            module.weight,
+            module.scales,
+            module.get("biases"),
+            group_size=module.group_size,
+            bits=module.bits,
+            mode=getattr(module, "mode", "affine"),
+        )
+    return module.weight
+
+
+# ----------------------------------------------------------------- the forward
+
+
+def training_hidden(
+    drafter: DSparkDrafter,
+    features: mx.array,
+    anchors: mx.array,
+    blocks: mx.array,
+) -> mx.array:
+    """Backbone hidden states of many blocks at once.
+
+    ``features`` ``[N, S, F]`` are the target features of N sequences,
+    ``anchors`` ``[N, A]`` the anchor positions and ``blocks`` ``[N, A, B]``
+    the block tokens. Block ``(n, a)`` attends to the context features of
+    positions ``< anchors[n, a]`` of sequence ``n`` and to itself. Returns
+    ``[N * A, B, d]``; this equals ``drafter(block, anchor, features[:, :anchor],
+    fresh_cache)`` block by block.
+
+    The context keys/values are computed once per sequence and shared by its
+    A blocks: every query scores its sequence's whole context (the anchor
+    masks what it may not see) and its own block, in one softmax.
+    """
+    N, S, _ = features.shape
+    A, B = blocks.shape[1], blocks.shape[2]
+    offsets = anchors.reshape(-1).astype(mx.int32)
+    visible = mx.arange(S)[None, None, :] < anchors[..., None]  # [N, A, S]
+    context = drafter.hidden_norm(drafter.fc(features))
+    h = drafter.embed(blocks.reshape(N * A, B))
+    for layer in drafter.layers:
+        h = _layer(layer, h, offsets, context, visible)
+    return drafter.norm(h)
+
+
+def _layer(
+    layer: DraftLayer,
+    x: mx.array,
+    offsets: mx.array,
+    context: mx.array,
+    visible: mx.array,
+) -> mx.array:
+    h = x + _attention(
+        layer.self_attn, layer.input_layernorm(x), offsets, context, visible
+    )
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def _attention(
+    attn: DraftAttention,
+    x: mx.array,
+    offsets: mx.array,
+    context: mx.array,
+    visible: mx.array,
+) -> mx.array:
+    """``DraftAttention`` for ``[N * A, B]`` blocks over N shared contexts."""
+    NA, B, _ = x.shape
+    N, S, _ = context.shape
+    A = NA // N
+    H, Hkv = attn.n_heads, attn.n_kv_heads
+    G = H // Hkv  # query heads per key/value head
+    queries = attn.rope(attn.q_norm(attn._heads(attn.q_proj(x), H)), offset=offsets)
+    keys, values = attn.key_values(x, offsets)  # [NA, Hkv, B, hd]
+    ctx_keys, ctx_values = attn.key_values(context, 0)  # [N, Hkv, S, hd]
+    D = queries.shape[-1]
+    queries = (queries * attn.scale).reshape(N, A, Hkv, G * B, D)
+    # Context scores, one product per sequence: [N, Hkv, A * G * B, S].
+    per_seq = queries.transpose(0, 2, 1, 3, 4).reshape(N, Hkv, A * G * B, D)
+    ctx_scores = (per_seq @ ctx_keys.swapaxes(-1, -2)).reshape(N, Hkv, A, G * B, S)
+    ctx_scores = mx.where(
+        visible[:, None, :, None, :], ctx_scores, mx.array(-mx.inf, ctx_scores.dtype)
+    )
+    # Block scores, one product per block: [N, Hkv, A, G * B, B].
+    blk_scores = queries.reshape(NA, Hkv, G * B, D) @ keys.swapaxes(-1, -2)
+    blk_scores = blk_scores.reshape(N, A, Hkv, G * B, B).transpose(0, 2, 1, 3, 4)
+    probs = mx.softmax(
+        mx.concatenate([ctx_scores, blk_scores], axis=-1), axis=-1, precise=True
+    )
+    ctx_out = probs[..., :S].reshape(N, Hkv, A * G * B, S) @ ctx_values
+    ctx_out = ctx_out.reshape(N, Hkv, A, G * B, D).transpose(0, 2, 1, 3, 4)
+    blk_probs = probs[..., S:].transpose(0, 2, 1, 3, 4).reshape(NA, Hkv, G * B, B)
+    out = ctx_out.reshape(NA, Hkv, G * B, D) + blk_probs @ values
+    out = out.reshape(NA, H, B, D).transpose(0, 2, 1, 3).reshape(NA, B, H * D)
+    return attn.o_proj(out)

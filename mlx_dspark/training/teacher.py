@@ -1,0 +1,232 @@
+"""What the frozen target teaches: its features and next-token distributions.
+
+Training needs, for each sequence, the target's hidden states at the tapped
+layers (the drafter's context) and, at each supervised position, the target's
+next-token distribution. :class:`TeacherStore` computes both once and keeps
+them on disk, memory-mapped:
+
+* ``features.npy`` ``[T, F]`` float16 (bfloat16 bits as uint16 when a value
+  would overflow float16) - the tapped features of all T tokens;
+* ``probs.npy`` ``[T, V]`` float16 - the target's distribution restricted to
+  the V ids of the drafter's output vocabulary;
+* ``outside.npy`` ``[T]`` float32 - the target's mass outside those ids.
+
+So training never runs the target, its 49k-wide LM head or its softmax. The
+loss is unchanged: it only ever reads the target's probabilities of the draft
+ids and the mass outside them (:mod:`.loss`). What the store changes is
+rounding: each probability is rounded to float16 (relative error at most
+2**-11, absolute at most 2**-25 below float16's normal range), so the total
+variation term moves by at most ``2**-11 + V * 2**-25`` per position, and the
+features are rounded to float16 as well. ``dtype="float32"`` keeps both
+exact (twice the disk). :class:`OnlineTeacher` computes the same on the fly.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ..data import Sequence
+from ..target import TargetAdapter
+from .batches import Batch
+
+STORE_VERSION = 1
+F16_MAX = 6.0e4
+
+
+def target_distribution(
+    target: TargetAdapter, hidden: mx.array, draft_ids: mx.array | None
+) -> tuple[mx.array, mx.array]:
+    """The target's probabilities ``[..., V]`` over ``draft_ids`` (all ids when
+    None) from final hidden states, and its mass outside them ``[...]``."""
+    logits = target.lm_head(hidden).astype(mx.float32)
+    lse = mx.logsumexp(logits, axis=-1, keepdims=True)
+    if draft_ids is None:
+        probs = mx.exp(logits - lse)
+        return probs, mx.zeros(probs.shape[:-1], mx.float32)
+    inside = mx.take(logits, draft_ids, axis=-1)
+    probs = mx.exp(inside - lse)
+    member = mx.zeros(logits.shape[-1], dtype=mx.bool_)
+    member[draft_ids] = True
+    rest = mx.where(member, -mx.inf, logits)
+    outside = mx.exp(mx.logsumexp(rest, axis=-1) - lse.squeeze(-1))
+    return probs, outside
+
+
+def _gather(rows: mx.array, positions: mx.array) -> mx.array:
+    """``rows`` ``[N, S, ...]`` at ``positions`` ``[N, A, B]`` -> ``[N * A, B, ...]``."""
+    N, A, B = positions.shape
+    flat = (positions + mx.arange(N)[:, None, None] * rows.shape[1]).reshape(-1)
+    taken = mx.take(rows.reshape(N * rows.shape[1], *rows.shape[2:]), flat, axis=0)
+    return taken.reshape(N * A, B, *rows.shape[2:])
+
+
+class OnlineTeacher:
+    """Runs the target over each batch (no disk; the straightforward way)."""
+
+    def __init__(self, target: TargetAdapter, draft_ids: np.ndarray | None):
+        self.target = target
+        self.draft_ids = None if draft_ids is None else mx.array(draft_ids)
+
+    def __call__(
+        self, indices: list[int], batch: Batch
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """Features ``[N, S, F]``, target probabilities ``[N * A, B, V]`` and
+        outside mass ``[N * A, B]`` for a batch."""
+        hidden, features = self.target.hidden(batch.tokens, self.target.make_cache())
+        probs, outside = target_distribution(
+            self.target, _gather(hidden, batch.positions), self.draft_ids
+        )
+        out = features.astype(mx.float32), probs, outside
+        mx.eval(*out)
+        return out
+
+
+class TeacherStore:
+    """The teacher of every sequence, computed once, memory-mapped."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        meta = json.loads((directory / "meta.json").read_text())
+        self.offsets = np.asarray(meta["offsets"], dtype=np.int64)
+        self.lengths = np.asarray(meta["lengths"], dtype=np.int64)
+        self.feature_dtype = meta["feature_dtype"]
+        self.features = np.load(directory / "features.npy", mmap_mode="r")
+        self.probs = np.load(directory / "probs.npy", mmap_mode="r")
+        self.outside = np.load(directory / "outside.npy", mmap_mode="r")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.features, self.probs, self.outside))
+
+    @staticmethod
+    def complete(directory: Path, key: str) -> bool:
+        try:
+            meta = json.loads((directory / "meta.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            return False
+        return meta.get("key") == key and meta.get("version") == STORE_VERSION
+
+    @classmethod
+    def build(
+        cls,
+        directory: Path,
+        key: str,
+        target: TargetAdapter,
+        sequences: list[Sequence],
+        draft_ids: np.ndarray | None,
+        *,
+        dtype: str = "float16",
+        batch_size: int = 8,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> TeacherStore:
+        """Run the target once over ``sequences`` (resumes nothing: a partial
+        store is rebuilt). Returns the opened store."""
+        if cls.complete(directory, key):
+            return cls(directory)
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True)
+        lengths = np.array([len(s) for s in sequences], dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        total = int(lengths.sum())
+        ids = None if draft_ids is None else mx.array(draft_ids)
+        V = target.vocab_size if draft_ids is None else len(draft_ids)
+        F = len(target.layer_ids) * target.hidden_size
+        exact = dtype == "float32"
+        feature_dtype = "float32" if exact else "float16"
+        for _attempt in range(2):
+            files = {
+                "features": np.lib.format.open_memmap(
+                    directory / "features.npy",
+                    "w+",
+                    np.float32
+                    if feature_dtype == "float32"
+                    else np.uint16
+                    if feature_dtype == "bfloat16"
+                    else np.float16,
+                    (total, F),
+                ),
+                "probs": np.lib.format.open_memmap(
+                    directory / "probs.npy",
+                    "w+",
+                    np.float32 if exact else np.float16,
+                    (total, V),
+                ),
+                "outside": np.lib.format.open_memmap(
+                    directory / "outside.npy", "w+", np.float32, (total,)
+                ),
+            }
+            overflow = False
+            order = np.argsort(-lengths, kind="stable")  # similar lengths together
+            for start in range(0, len(order), batch_size):
+                chunk = order[start : start + batch_size]
+                S = int(lengths[chunk].max())
+                tokens = np.zeros((len(chunk), S), dtype=np.int32)
+                for row, i in enumerate(chunk):
+                    tokens[row, : lengths[i]] = sequences[i].tokens
+                hidden, features = target.hidden(mx.array(tokens), target.make_cache())
+                probs, outside = target_distribution(target, hidden, ids)
+                features = features.astype(mx.float32)
+                if feature_dtype == "float16":
+                    if mx.abs(features).max().item() > F16_MAX:
+                        overflow = True
+                        break
+                    features = np.asarray(features.astype(mx.float16))
+                elif feature_dtype == "bfloat16":
+                    features = np.asarray(features.astype(mx.bfloat16).view(mx.uint16))
+                else:
+                    features = np.asarray(features)
+                probs = np.asarray(probs.astype(mx.float32 if exact else mx.float16))
+                outside = np.asarray(outside)
+                for row, i in enumerate(chunk):
+                    rows = slice(offsets[i], offsets[i] + lengths[i])
+                    files["features"][rows] = features[row, : lengths[i]]
+                    files["probs"][rows] = probs[row, : lengths[i]]
+                    files["outside"][rows] = outside[row, : lengths[i]]
+                if progress is not None:
+                    progress(min(start + batch_size, len(order)), len(order))
+            if not overflow:
+                break
+            feature_dtype = "bfloat16"
+        for array in files.values():
+            array.flush()
+        del files
+        meta = {
+            "version": STORE_VERSION,
+            "key": key,
+            "offsets": offsets.tolist(),
+            "lengths": lengths.tolist(),
+            "feature_dtype": feature_dtype,
+            "vocab": V,
+        }
+        (directory / "meta.json").write_text(json.dumps(meta))
+        return cls(directory)
+
+    def __call__(
+        self, indices: list[int], batch: Batch
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """As :meth:`OnlineTeacher.__call__`, read from the store."""
+        N, S = batch.tokens.shape
+        F, V = self.features.shape[1], self.probs.shape[1]
+        features = np.zeros((N, S, F), self.features.dtype)
+        probs = np.zeros((N, S, V), self.probs.dtype)
+        outside = np.zeros((N, S), np.float32)
+        for row, i in enumerate(indices):
+            rows = slice(self.offsets[i], self.offsets[i] + self.lengths[i])
+            n = int(self.lengths[i])
+            features[row, :n] = self.features[rows]
+            probs[row, :n] = self.probs[rows]
+            outside[row, :n] = self.outside[rows]
+        features = mx.array(features)
+        if self.feature_dtype == "bfloat16":
+            features = features.view(mx.bfloat16)
+        return (
+            features.astype(mx.float32),
+            _gather(mx.array(probs), batch.positions),
+            _gather(mx.array(outside), batch.positions),
+        )

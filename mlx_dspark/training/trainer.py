@@ -1,0 +1,163 @@
+"""The optimisation loop: steps, progress, clean stops, periodic checkpoints."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+
+from ..drafter import DSparkDrafter
+from .batches import Batch
+from .loss import loss_terms
+
+METRICS = ("loss", "ce", "tv", "conf", "tau")
+Teacher = Callable[[list[int], Batch], tuple[mx.array, mx.array, mx.array]]
+
+
+@dataclass
+class LoopState:
+    """What the loop carries across steps, checkpoints and resumed runs."""
+
+    step: int = 0
+    history: list = field(default_factory=list)
+    block_positions: int = 0  # supervised block positions trained on
+    train_time_s: float = 0.0  # spent in steps (data, teacher, forward, update)
+
+    @property
+    def positions_per_s(self) -> float:
+        return self.block_positions / self.train_time_s if self.train_time_s else 0.0
+
+
+def schedule(lr: float, total: int, warmup: int):
+    """Linear warm-up, then cosine decay to a tenth."""
+    decay = optim.cosine_decay(lr, max(total - warmup, 1), end=0.1 * lr)
+    if warmup <= 0:
+        return decay
+    return optim.join_schedules(
+        [optim.linear_schedule(lr / warmup, lr, warmup), decay], [warmup]
+    )
+
+
+def make_step(
+    drafter: DSparkDrafter, optimizer: optim.Optimizer, grad_clip: float
+) -> Callable[[mx.array, mx.array, mx.array, Batch], list[float]]:
+    """One update from a batch and its teacher; returns the metrics."""
+    loss_and_grad = nn.value_and_grad(drafter, loss_terms)
+
+    def step(
+        features: mx.array, target_p: mx.array, outside: mx.array, batch: Batch
+    ) -> list[float]:
+        (loss, terms), grads = loss_and_grad(
+            drafter, features, target_p, outside, batch
+        )
+        if grad_clip > 0:
+            grads, _ = optim.clip_grad_norm(grads, grad_clip)
+        optimizer.update(drafter, grads)
+        mx.eval(drafter.parameters(), optimizer.state, loss, terms)
+        return [loss.item(), *(t.item() for t in terms)]
+
+    return step
+
+
+def optimise(
+    step: Callable[[mx.array, mx.array, mx.array, Batch], list[float]],
+    next_batch: Callable[[int], tuple[list[int], Batch]],
+    teacher: Teacher,
+    state: LoopState,
+    total: int,
+    *,
+    log_every: int,
+    checkpoint_every: int,
+    save: Callable[[LoopState], None],
+    should_stop: Callable[[int], bool] | None = None,
+    quiet: bool = False,
+) -> tuple[str, dict]:
+    """Run steps ``state.step .. total``; returns the status ("done" or
+    "interrupted") and the mean metrics over the last tenth of the steps."""
+    running = None
+    recent: list[list[float]] = []
+    status = "done"
+    with StopFlag() as stop, progress_bar(quiet) as bar:
+        task = bar.add_task("training", total=total, completed=state.step, metrics="")
+        while state.step < total:
+            tic = time.perf_counter()
+            indices, batch = next_batch(state.step)
+            values = step(*teacher(indices, batch), batch)
+            state.train_time_s += time.perf_counter() - tic
+            state.block_positions += batch.supervised
+            state.step += 1
+            recent = (recent + [values])[-max(1, total // 10) :]
+            running = (
+                values
+                if running is None
+                else [0.9 * r + 0.1 * v for r, v in zip(running, values, strict=True)]
+            )
+            if state.step % log_every == 0 or state.step == total:
+                state.history.append([state.step, *values])
+            shown = "  ".join(
+                f"{n} {v:.3f}" for n, v in zip(METRICS, running, strict=True)
+            )
+            shown += f"  {state.positions_per_s:.0f} pos/s"
+            bar.update(task, completed=state.step, metrics=shown)
+            if checkpoint_every and state.step % checkpoint_every == 0:
+                if state.step < total:
+                    save(state)
+            if stop.requested or (should_stop is not None and should_stop(state.step)):
+                if state.step < total:
+                    status = "interrupted"
+                    break
+    final = {
+        n: float(np.mean([r[i] for r in recent])) if recent else None
+        for i, n in enumerate(METRICS)
+    }
+    return status, final
+
+
+class StopFlag:
+    """Ctrl-C asks for a clean stop at the end of the step; twice aborts."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+def progress_bar(quiet: bool):
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[metrics]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        disable=quiet,
+    )
