@@ -445,9 +445,10 @@ class DSparkDrafter(nn.Module):
 
     def compile_greedy_chain(self, enabled: bool = True) -> None:
         """Run :meth:`greedy_chain` as one ``mx.compile``d graph (one trace per
-        draft length); the drafts are identical either way. Call again after
-        changing the weights."""
-        self._compiled_chain = mx.compile(self.greedy_chain) if enabled else None
+        draft length); the drafts are identical either way. The drafter's
+        arrays are the graph's inputs, so later weight updates are seen."""
+        compiled = mx.compile(self.greedy_chain, inputs=self.state)
+        self._compiled_chain = compiled if enabled else None
 
     def chain_confidence(
         self, hidden: mx.array, anchor: mx.array, tokens: mx.array

@@ -282,14 +282,25 @@ def test_compiled_and_plain_greedy_chains_give_identical_drafts(head, reduced):
 
 
 def test_loaded_drafters_run_the_compiled_chain(pair_factory):
-    model, _, drafter, *_ = pair_factory(block_size=6)
+    from mlx_dspark.loading import load_drafter
+
+    model, _, _, _, drafter_dir, _ = pair_factory(block_size=6)
+    drafter = load_drafter(drafter_dir, model)
     assert drafter._compiled_chain is not None
     anchor = mx.array([4])
     hidden = drafter(drafter.block_tokens(anchor), 0, None, drafter.make_cache())
-    compiled = drafter.propose(hidden, anchor, 6, SamplingParams(), None)
-    drafter.compile_greedy_chain(False)
-    plain = drafter.propose(hidden, anchor, 6, SamplingParams(), None)
-    assert mx.array_equal(compiled.tokens, plain.tokens)
+    outputs = []
+    for update in (False, True):
+        if update:  # new weights after the first trace reach the compiled graph
+            randomize(drafter.markov_head, np.random.default_rng(5))
+        compiled = drafter.propose(hidden, anchor, 6, SamplingParams(), None)
+        chain, drafter._compiled_chain = drafter._compiled_chain, None
+        plain = drafter.propose(hidden, anchor, 6, SamplingParams(), None)
+        drafter._compiled_chain = chain
+        assert mx.array_equal(compiled.tokens, plain.tokens)
+        assert mx.array_equal(compiled.logits, plain.logits)
+        outputs.append(plain.tokens)
+    assert not mx.array_equal(*outputs)
 
 
 def test_draft_ids_to_target_breaks_ties_like_argmax_over_full_rows():
