@@ -7,9 +7,11 @@ Predicted tokens/s for ``n`` drafts is ``E(n) / cost(n)``:
   acceptance ``p_k = P(draft k kept | drafts before it kept)``, each a Beta
   posterior whose counts decay by ``decay`` per observation (so the estimate
   follows the text; the prior's weight decays alike) and whose prior mean is
-  position ``k-1``'s estimate (an unseen deeper position is assumed as good
-  as the one before it, which is what lets a pair that drafts well reach long
-  rounds);
+  the acceptance the pair's calibration measured, or without one position
+  ``k-1``'s estimate (an unseen deeper position is assumed as good as the one
+  before it, which is what lets a pair that drafts well reach long rounds);
+  a later generation with the same drafter in the same process starts from
+  what the earlier one measured;
 * ``cost(n)`` the wall time of a round that verifies ``n`` drafts, the
   caller's time with its tokens included (a pipelined plain round overlaps
   the two): ``cost(0)`` the median of the last ``window`` plain rounds; for
@@ -74,6 +76,7 @@ class AdaptivePolicy(_Recording):
 
     profile: StepRateCurve | None = None
     guard: MemoryGuard | None = None
+    prior: list[float] | None = None  # measured acceptance per position
     decay: float = 0.9
     prior_strength: float = 4.0
     window: int = 5
@@ -102,26 +105,16 @@ class AdaptivePolicy(_Recording):
         self.drafted_costs = deque(self.drafted_costs, maxlen=self.drafted_window)
         self.kept = deque(self.kept, maxlen=self.drafted_window)
 
-    def renew(self) -> AdaptivePolicy:
-        """A fresh policy for the next generation that keeps what was measured
-        (costs and acceptance) and forgets the plain-round schedule."""
-        return AdaptivePolicy(
-            self.temperatures,
-            self.telemetry,
-            self.profile,
-            self.guard,
-            self.decay,
-            self.prior_strength,
-            self.window,
-            self.drafted_window,
-            self.probe_after,
-            self.probe_max,
-            deque(self.plain_costs),
-            deque(self.drafted_costs),
-            list(self.successes),
-            list(self.failures),
-            list(self.observations),
-        )
+    def remember(self, earlier: AdaptivePolicy) -> None:
+        """Start from what an earlier generation measured (costs, acceptance,
+        how long drafts were kept), not from the prior; the plain-round
+        schedule starts afresh."""
+        self.plain_costs.extend(earlier.plain_costs)
+        self.drafted_costs.extend(earlier.drafted_costs)
+        self.kept.extend(earlier.kept)
+        self.successes = list(earlier.successes)
+        self.failures = list(earlier.failures)
+        self.observations = list(earlier.observations)
 
     # -- estimates ---------------------------------------------------------
 
@@ -129,6 +122,8 @@ class AdaptivePolicy(_Recording):
         """Conditional acceptance estimates p_1..p_cap."""
         rates, prior = [], 0.5
         for k in range(cap):
+            if self.prior is not None and k < len(self.prior):
+                prior = self.prior[k]
             s = self.successes[k] if k < len(self.successes) else 0.0
             f = self.failures[k] if k < len(self.failures) else 0.0
             seen = self.observations[k] if k < len(self.observations) else 0

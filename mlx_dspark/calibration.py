@@ -268,6 +268,19 @@ class CalibrationResult:
                 f"Calibration file {path} is not a valid calibration result."
             ) from None
 
+    def acceptance(self) -> list[float]:
+        """Conditional acceptance per position measured in the calibration
+        rounds (raw reliability counts), smoothed by half a success per
+        position so that a handful of rounds cannot say 0 or 1."""
+        rates, trials = [], None
+        for bins in self.reliability_before:
+            rounds = sum(b[2] for b in bins)
+            kept = sum(b[1] * b[2] for b in bins if b[1] is not None)
+            tried = rounds if trials is None else min(trials, rounds)
+            rates.append((kept + 0.5) / (tried + 1.0))
+            trials = kept
+        return rates
+
     def reliability_diagram(self, path: str | Path) -> Path:
         """Write a PNG of the per-position reliability curves (needs matplotlib)."""
         try:

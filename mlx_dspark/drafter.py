@@ -232,6 +232,9 @@ class DSparkDrafter(nn.Module):
         self._shared_embed: Callable | None = None
         self._shared_head: Callable | None = None
         self._compiled_chain: Callable | None = None
+        # The default policy of this drafter's last generation, whose
+        # measurements (costs, acceptance) the next generation starts from.
+        self.policy_memory = None
 
     @property
     def block_size(self) -> int:

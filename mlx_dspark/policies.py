@@ -263,8 +263,15 @@ def resolve_policy(
         block = drafter.block_size if num_draft is None else num_draft
         guard = MemoryGuard.from_settings(settings, block, memory_source)
         policy = AdaptivePolicy(
-            temperatures, telemetry_for(found), load_profile(model, drafter), guard
+            temperatures,
+            telemetry_for(found),
+            load_profile(model, drafter),
+            guard,
+            prior=None if found is None else found[0].acceptance(),
         )
+        if drafter.policy_memory is not None:
+            policy.remember(drafter.policy_memory)
+        drafter.policy_memory = policy
         return ResolvedPolicy(policy, "adaptive", None, cal_path)
     if scheduler is None:  # DSPARK_SCHEDULER_ENABLED is set, or profile="refresh"
         if not env_enabled or settings.enabled:

@@ -122,12 +122,32 @@ def test_calibration_cuts_inside_a_drafted_block():
     assert AdaptivePolicy().draft_length(doubtful, 4) == 4  # no calibration
 
 
-def test_renew_keeps_measurements():
+def test_a_later_generation_remembers_what_was_measured():
     policy = AdaptivePolicy()
     play(policy, 40, lambda n: 0)
-    fresh = policy.renew()
+    fresh = AdaptivePolicy()
+    assert fresh.best_length(7) > 0  # the optimistic start
+    fresh.remember(policy)
     assert fresh.best_length(7) == 0 and fresh.plain_left == 0
     assert list(fresh.plain_costs) == list(policy.plain_costs)
+
+
+def test_a_calibration_that_measured_poor_acceptance_means_plain_from_the_start():
+    from mlx_dspark.calibration import CalibrationResult
+
+    def calibration(survived):
+        # reliability bins per position: [mean prediction, mean outcome, count]
+        rounds = 60
+        bins = [[[0.5, s / rounds, rounds]] for s in survived]
+        return CalibrationResult([1.0] * 3, *[[0.1] * 3] * 4, rounds, 1, bins, bins)
+
+    poor = calibration([4, 0, 0]).acceptance()
+    assert poor[0] == pytest.approx(4.5 / 61) and poor[1] == pytest.approx(0.5 / 5)
+    good = calibration([54, 48, 42]).acceptance()
+    assert good[0] > 0.85 and good[2] > 0.85
+    cap = 3
+    assert play(AdaptivePolicy(prior=poor), 1, lambda n: 0, cap) == [0]
+    assert play(AdaptivePolicy(prior=good), 1, lambda n: n, cap) == [cap]
 
 
 # -- in the generation loop --------------------------------------------------
@@ -171,11 +191,21 @@ def test_useless_drafter_decodes_plainly_and_losslessly(useless_pair):
 
 def test_structured_pair_drafts_by_default(pair_factory):
     model, tokenizer, drafter, *_ = pair_factory(block_size=8)
+    drafter.policy_memory = None
     for prompt in ([1, 2, 3], [20, 4, 11, 9]):
         tokens, stats = run_default(model, tokenizer, drafter, prompt, 96)
         assert tokens == greedy_target(model, prompt, 96)
         assert stats.mean_accepted_length > 2.0
         assert sum(r.drafted > 0 for r in stats.rounds) >= 0.8 * len(stats.rounds)
+
+
+def test_the_next_generation_starts_plain_after_a_useless_one(useless_pair):
+    model, tokenizer, drafter = useless_pair
+    drafter.policy_memory = None
+    run_default(model, tokenizer, drafter, [1, 2, 3], 60)
+    tokens, stats = run_default(model, tokenizer, drafter, [4, 5, 6], 24)
+    assert tokens == greedy_target(model, [4, 5, 6], 24)
+    assert all(r.drafted == 0 for r in stats.rounds[:8])
 
 
 def test_explicit_num_draft_always_drafts_that_many(useless_pair):
