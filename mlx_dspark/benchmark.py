@@ -1129,7 +1129,7 @@ def load_pair(args) -> Pair:
         )
         label = f"synthetic Qwen3-{args.synthetic} ({args.bits}-bit, {args.accept} acceptance)"
         if args.useless_drafter:
-            randomize_weights(drafter)
+            make_useless(drafter)
             label += ", useless (random) drafter"
         return Pair(model, tokenizer, drafter, label, synthetic=True)
     if args.model is None:
@@ -1143,13 +1143,20 @@ def load_pair(args) -> Pair:
         target_dir, drafter_dir, label = args.model, args.draft_model, str(args.model)
     model, tokenizer, drafter = load(target_dir, drafter_dir)
     if args.useless_drafter and drafter is not None:
-        randomize_weights(drafter)
+        make_useless(drafter)
         label += ", useless (random) drafter"
     pair = Pair(model, tokenizer, drafter, label)
     if args.mlx_lm_draft_model:
         draft, _, _ = load(args.mlx_lm_draft_model)
         pair.mlx_lm_draft, pair.mlx_lm_draft_label = draft, args.mlx_lm_draft_model
     return pair
+
+
+def make_useless(drafter: DSparkDrafter) -> None:
+    """Random weights, and no calibration: the one beside the drafter's
+    directory was measured on its real weights."""
+    randomize_weights(drafter)
+    drafter.source_path = None
 
 
 def randomize_weights(model: nn.Module, seed: int = 0) -> None:
