@@ -93,6 +93,7 @@ class TrainArgs:
     seed: int = 0
     resume: bool = False
     checkpoint_every: int = 500
+    keep_checkpoint: bool = False
     teacher_store: str | None = None
     init_from_target: bool = False
     regenerate: bool = False
@@ -195,6 +196,8 @@ def train(
     export_drafter(
         out, drafter, target, record, args.with_embeddings, DTYPES[args.dtype], quantize
     )
+    if not args.keep_checkpoint:
+        shutil.rmtree(ckpt, ignore_errors=True)
     _say(args, f"wrote {out} ({', '.join(f'{n} {v:.3f}' for n, v in final.items())}, "
          f"{state.positions_per_s:.0f} block positions/s)")  # fmt: skip
     return TrainResult(status, out, ckpt, state.step, final, state.history)
@@ -219,9 +222,33 @@ def _check_args(args: TrainArgs) -> None:
         positive["--draft-vocab"] = args.draft_vocab
     if args.markov_head != "none":
         positive["--markov-rank"] = args.markov_rank
+    positive.update(
+        {
+            "--checkpoint-every": args.checkpoint_every,
+            "--log-every": args.log_every,
+            "--regen-max-tokens": args.regen_max_tokens,
+            "--regen-prompt-tokens": args.regen_prompt_tokens,
+            "--regen-batch-size": args.regen_batch_size,
+        }
+    )
     for flag, value in positive.items():
         if value < 1:
             raise DSparkError(f"{flag} must be at least 1, got {value}.")
+    at_least_zero = {
+        "--regen-temperature": args.regen_temperature,
+        "--weight-decay": args.weight_decay,
+        "--grad-clip": args.grad_clip,
+        "--gamma": args.gamma,
+    }
+    for flag, value in at_least_zero.items():
+        if not value >= 0:
+            raise DSparkError(f"{flag} must be >= 0, got {value}.")
+    if not 0 <= args.warmup < 1:
+        raise DSparkError(f"--warmup must be a fraction in [0, 1), got {args.warmup}.")
+    if args.quantize_group_size not in (32, 64, 128):
+        raise DSparkError(
+            f"--quantize-group-size must be 32, 64 or 128, got {args.quantize_group_size}."
+        )
     if args.steps is not None and args.epochs is not None:
         raise DSparkError("Give either --steps or --epochs, not both.")
     if args.steps is not None and args.steps < 1:
@@ -250,18 +277,9 @@ def _check_args(args: TrainArgs) -> None:
 
 
 def _load_target(path: str):
-    from mlx_lm.utils import load as mlx_lm_load
+    from .loading import load_target
 
-    from .loading import read_config, resolve_path
-
-    target_path = resolve_path(path, "model")
-    config = read_config(target_path)
-    try:
-        model, tokenizer = mlx_lm_load(str(target_path))
-    except (ValueError, FileNotFoundError, OSError) as error:
-        raise DSparkError(
-            f"Could not load the model at {target_path}: {error}"
-        ) from None
+    target_path, config, model, tokenizer = load_target(path)
     model.freeze()
     return target_path, config, model, tokenizer
 
@@ -435,117 +453,167 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mlx_dspark.train",
         description="Train a DSpark drafter for an mlx-lm target model.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     d = TrainArgs(model="", data=[], out="")
-    p.add_argument(
-        "--model", required=True, help="Target model path or Hugging Face repo."
-    )
-    p.add_argument(
+
+    def add(flag: str, *more: str, **kwargs) -> None:
+        if kwargs.get("action") in ("store_true", argparse.BooleanOptionalAction):
+            kwargs.setdefault("default", False)
+        p.add_argument(flag, *more, **kwargs)
+
+    add("--model", required=True, help="Target model path or Hugging Face repo.")
+    add(
         "--data",
         nargs="+",
         required=True,
         metavar="FILE",
         help="Text files and/or JSONL files (messages, prompt/completion, text, tokens).",
     )
-    p.add_argument(
-        "--out", required=True, help="Output drafter directory (DeepSpec format)."
-    )
-    p.add_argument("--block-size", type=int, default=d.block_size)
-    p.add_argument("--layers", type=int, default=d.layers, help="Draft layers.")
-    p.add_argument(
+    add("--out", required=True, help="Output drafter directory (DeepSpec format).")
+    add("--block-size", type=int, default=d.block_size, help="Tokens per draft block.")
+    add("--layers", type=int, default=d.layers, help="Draft decoder layers.")
+    add(
         "--markov-head",
         default=d.markov_head,
         choices=["vanilla", "gated", "rnn", "none"],
+        help="Sequential head over the block (none: parallel drafts only).",
     )
-    p.add_argument("--markov-rank", type=int, default=d.markov_rank)
-    p.add_argument(
+    add("--markov-rank", type=int, default=d.markov_rank, help="Sequential head rank.")
+    add(
         "--draft-vocab",
         type=int,
         default=None,
         metavar="N",
         help="Draft over the N most frequent training tokens only (smaller, faster "
-        "drafter; still lossless). Default: the target's whole vocabulary.",
+        "drafter; still lossless); none = the target's whole vocabulary.",
     )
-    p.add_argument(
+    add(
         "--target-layer-ids",
         type=_layer_ids,
         default=None,
-        help="Target layers to tap, e.g. 1,8,15 (-1 = embeddings).",
+        help="Target layers to tap, e.g. 1,8,15 (-1 = embeddings); none = spread "
+        "evenly.",
     )
-    p.add_argument(
+    add(
         "--confidence",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="Train the confidence head.",
     )
-    p.add_argument(
+    add(
         "--mask-token-id",
         type=int,
         default=None,
-        help="Mask token id (default: the last vocabulary id).",
+        help="Mask token id; none = the last vocabulary id.",
     )
     group = p.add_mutually_exclusive_group()
-    group.add_argument("--steps", type=int, default=None)
-    group.add_argument("--epochs", type=float, default=None)
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument(
-        "--anchors", type=int, default=d.anchors, help="Blocks per sequence."
+    group.add_argument(
+        "--steps", type=int, default=None, help="Optimizer steps (or --epochs)."
     )
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--warmup", type=float, default=d.warmup, help="Warm-up fraction.")
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--grad-clip", type=float, default=d.grad_clip)
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
-    p.add_argument(
-        "--gamma", type=float, default=d.gamma, help="Position-weight decay."
+    group.add_argument(
+        "--epochs", type=float, default=None, help="Passes over the data; none = 1."
     )
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument(
-        "--resume", action="store_true", help="Continue from the checkpoint."
+    add("--batch-size", type=int, default=d.batch_size, help="Sequences per step.")
+    add("--anchors", type=int, default=d.anchors, help="Blocks per sequence.")
+    add("--lr", type=float, default=d.lr, help="Peak learning rate (AdamW).")
+    add("--warmup", type=float, default=d.warmup, help="Warm-up fraction of steps.")
+    add("--weight-decay", type=float, default=d.weight_decay, help="AdamW decay.")
+    add(
+        "--grad-clip",
+        type=float,
+        default=d.grad_clip,
+        help="Gradient norm clip (0 = off).",
     )
-    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
-    p.add_argument(
+    add("--seq-len", type=int, default=d.seq_len, help="Tokens per sequence.")
+    add("--gamma", type=float, default=d.gamma, help="Position-weight decay.")
+    add("--seed", type=int, default=d.seed, help="Random seed.")
+    add("--resume", action="store_true", help="Continue from the checkpoint.")
+    add(
+        "--checkpoint-every",
+        type=int,
+        default=d.checkpoint_every,
+        help="Steps between checkpoints (beside --out, as OUT.checkpoint).",
+    )
+    add(
+        "--keep-checkpoint",
+        action="store_true",
+        help="Keep OUT.checkpoint after a finished run (drafter and optimizer "
+        "state, several times the drafter's size); by default it is removed.",
+    )
+    add(
         "--teacher-store",
         "--cache-features",
         dest="teacher_store",
         default=None,
         metavar="DIR",
         help="Compute the target's features and distributions once, into DIR "
-        "(memory-mapped; reused by later runs on the same data). Default: run the "
+        "(memory-mapped; reused by later runs on the same data); none = run the "
         "target on the fly every step.",
     )
-    p.add_argument(
+    add(
         "--init-from-target",
         action="store_true",
         help="Start the draft layers from the target's top decoder layers.",
     )
-    p.add_argument(
+    add(
         "--regenerate",
         action="store_true",
         help="First let the target write the responses.",
     )
-    p.add_argument("--regenerate-out", default=None, metavar="FILE")
-    p.add_argument("--regen-max-tokens", type=int, default=d.regen_max_tokens)
-    p.add_argument("--regen-prompt-tokens", type=int, default=d.regen_prompt_tokens)
-    p.add_argument("--regen-temperature", type=float, default=d.regen_temperature)
-    p.add_argument("--regen-batch-size", type=int, default=d.regen_batch_size)
-    p.add_argument(
+    add(
+        "--regenerate-out",
+        default=None,
+        metavar="FILE",
+        help="Where the regenerated responses go; none = OUT.regenerated.jsonl.",
+    )
+    add(
+        "--regen-max-tokens",
+        type=int,
+        default=d.regen_max_tokens,
+        help="Tokens per regenerated answer.",
+    )
+    add(
+        "--regen-prompt-tokens",
+        type=int,
+        default=d.regen_prompt_tokens,
+        help="Prompt tokens taken from plain-text chunks.",
+    )
+    add(
+        "--regen-temperature",
+        type=float,
+        default=d.regen_temperature,
+        help="Sampling temperature of the regeneration.",
+    )
+    add(
+        "--regen-batch-size",
+        type=int,
+        default=d.regen_batch_size,
+        help="Prompts answered together.",
+    )
+    add(
         "--with-embeddings",
         action="store_true",
         help="Also write embed_tokens/lm_head copies, as DeepSpec does.",
     )
-    p.add_argument("--dtype", default=d.dtype, choices=list(DTYPES))
-    p.add_argument(
+    add("--dtype", default=d.dtype, choices=list(DTYPES), help="Training dtype.")
+    add(
         "--quantize-bits",
         type=int,
         default=None,
         choices=[2, 3, 4, 6, 8],
-        help="Write the drafter quantized (MLX format) to this many bits.",
+        help="Write the drafter quantized (MLX format) to this many bits; none = "
+        "float.",
     )
-    p.add_argument("--quantize-group-size", type=int, default=d.quantize_group_size)
-    p.add_argument("--force", action="store_true", help="Replace an existing output.")
-    p.add_argument("--log-every", type=int, default=d.log_every)
-    p.add_argument("--quiet", action="store_true")
+    add(
+        "--quantize-group-size",
+        type=int,
+        default=d.quantize_group_size,
+        help="Quantization group size.",
+    )
+    add("--force", action="store_true", help="Replace an existing output.")
+    add("--log-every", type=int, default=d.log_every, help="Steps between log lines.")
+    add("--quiet", action="store_true", help="No progress or messages.")
     return p
 
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import stat
 import subprocess
 import sys
 from dataclasses import replace
@@ -85,7 +86,14 @@ def mean_accepted_length(model, tokenizer, drafter) -> float:
     rounds = []
     for prompt in PROMPTS:
         responses = list(
-            stream_generate(model, tokenizer, drafter, prompt, max_tokens=48)
+            stream_generate(
+                model,
+                tokenizer,
+                drafter,
+                prompt,
+                max_tokens=48,
+                num_draft=drafter.block_size,  # always draft: measure the drafter
+            )
         )
         rounds.extend(responses[-1].stats.rounds)
     return float(np.mean([r.accepted + 1 for r in rounds]))
@@ -259,8 +267,12 @@ def _checkpoint_weights(result):
 
 
 def test_resume_equals_uninterrupted(setup):
-    whole = train(base_args(setup, "whole", steps=10, checkpoint_every=4))
-    parts = base_args(setup, "parts", steps=10, checkpoint_every=4)
+    whole = train(
+        base_args(setup, "whole", steps=10, checkpoint_every=4, keep_checkpoint=True)
+    )
+    parts = base_args(
+        setup, "parts", steps=10, checkpoint_every=4, keep_checkpoint=True
+    )
     stopped = train(parts, should_stop=lambda step: step == 7)
     assert stopped.status == "interrupted" and stopped.step == 7
     assert stopped.out is None and not Path(parts.out).exists()
@@ -523,3 +535,57 @@ def test_init_from_target_copies_the_top_layer(setup):
             mine, theirs, other = (getattr(m, part) for m in (mine, theirs, other))
         assert mx.array_equal(mine.weight, theirs.weight.astype(mx.float32)), name
         assert not mx.array_equal(other.weight, mine.weight), name
+
+
+def test_a_finished_run_removes_its_checkpoint_and_follows_the_umask(setup):
+    args = base_args(setup, "tidy", steps=4, checkpoint_every=2)
+    result = train(args)
+    assert result.status == "done" and not result.checkpoint.exists()
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert stat.S_IMODE(result.out.stat().st_mode) == 0o777 & ~mask
+    kept = train(replace(args, out=args.out + "-kept", keep_checkpoint=True))
+    assert kept.checkpoint.is_dir()
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--regen-max-tokens", "-5", "--regen-max-tokens must be at least 1"),
+        ("--regen-temperature", "-1", "--regen-temperature must be >= 0"),
+        ("--warmup", "1.5", "--warmup must be a fraction"),
+        ("--log-every", "0", "--log-every must be at least 1"),
+    ],
+)
+def test_bad_values_are_refused_before_anything_is_written(
+    setup, tmp_path, flag, value, message
+):
+    _, target_dir, _, _, data = setup
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlx_dspark.train", "--model", str(target_dir)]
+        + ["--data", str(data), "--out", str(out), "--regenerate", flag, value],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 1 and message in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_progress_in_a_log_is_a_plain_line_every_log_every_steps(setup, tmp_path):
+    _, target_dir, _, _, data = setup
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlx_dspark.train", "--model", str(target_dir)]
+        + ["--data", str(data), "--out", str(tmp_path / "o"), "--steps", "6"]
+        + ["--log-every", "2", "--layers", "1", "--markov-rank", "8", "--seq-len"]
+        + ["64", "--anchors", "8", "--dtype", "float32"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["2/6", "4/6", "6/6"]
+    assert all("loss" in line and "pos/s" in line for line in lines)

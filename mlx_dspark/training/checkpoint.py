@@ -27,9 +27,16 @@ def checkpoint_path(out: Path) -> Path:
     return out.with_name(out.name + ".checkpoint")
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_dir_atomically(final: Path, write: Callable[[Path], None]) -> None:
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
+    staging.chmod(0o777 & ~_umask())  # mkdtemp's 0700, as mkdir would have made it
     try:
         write(staging)
         old = None

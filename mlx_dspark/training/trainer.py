@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -106,6 +107,10 @@ def optimise(
             )
             shown += f"  {state.positions_per_s:.0f} pos/s"
             bar.update(task, completed=state.step, metrics=shown)
+            if not (quiet or bar.live.is_started) and (
+                state.step % log_every == 0 or state.step == total
+            ):
+                print(f"step {state.step}/{total}  {shown}", flush=True)
             if checkpoint_every and state.step % checkpoint_every == 0:
                 if state.step < total:
                     save(state)
@@ -143,6 +148,8 @@ class StopFlag:
 
 
 def progress_bar(quiet: bool):
+    """A rich progress bar on a terminal; disabled (the loop then prints a
+    plain line every ``log_every`` steps) when quiet or writing to a log."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -159,5 +166,5 @@ def progress_bar(quiet: bool):
         TextColumn("{task.fields[metrics]}"),
         TimeElapsedColumn(),
         TimeRemainingColumn(),
-        disable=quiet,
+        disable=quiet or not sys.stdout.isatty(),
     )
