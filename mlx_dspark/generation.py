@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import sys
+import logging
 import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
@@ -21,6 +21,8 @@ from .sampling import SamplingParams
 from .target import TargetAdapter
 from .telemetry import Telemetry
 from .tree import TreeMode
+
+logger = logging.getLogger("mlx_dspark")
 
 
 @dataclass
@@ -150,9 +152,10 @@ def stream_generate(
             model, drafter, scheduler, confidence_threshold, num_draft, profile
         )
         num_draft = cap
-        if resolved.note:
-            print(resolved.note, file=sys.stderr)
         telemetry = resolved.policy.telemetry
+        telemetry.policy, telemetry.note = resolved.mode, resolved.note
+        if resolved.note:
+            logger.info(resolved.note)
         stats = GenerationStats()
         target = TargetAdapter(model, drafter.config.target_layer_ids)
         mode = None
@@ -209,6 +212,14 @@ def stream_generate(
     yield response(token, from_draft, n + 1, reason)
 
 
+_POLICY_NAMES = {
+    "adaptive": "adaptive (the draft length with the best measured tokens/s)",
+    "off": "fixed draft length",
+    "threshold": "confidence threshold",
+    "auto": "calibrated scheduler",
+}
+
+
 def format_stats(response: DSparkResponse) -> list[str]:
     lines = [
         f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec",
@@ -224,11 +235,18 @@ def format_stats(response: DSparkResponse) -> list[str]:
         ]
     tele = response.telemetry
     if tele is not None and tele.n_rounds:
-        lines.append(
-            f"Scheduler: expected {tele.expected_accepted / tele.n_rounds:.2f} vs "
-            f"actual {tele.drafts_accepted / tele.n_rounds:.2f} accepted drafts per "
-            f"round, cap now {tele.n_current}"
+        line = f"Policy: {_POLICY_NAMES.get(tele.policy, tele.policy)}"
+        if stats is not None and stats.rounds:
+            plain = sum(r.drafted == 0 for r in stats.rounds)
+            line += f", plain decoding in {plain} of {len(stats.rounds)} rounds"
+        line += (
+            f"; expected {tele.expected_accepted / tele.n_rounds:.2f} vs actual "
+            f"{tele.drafts_accepted / tele.n_rounds:.2f} accepted drafts per round, "
+            f"draft length now {tele.n_current}"
         )
+        lines.append(line)
+        if tele.note:
+            lines.append(tele.note)
     lines.append(f"Peak memory: {response.peak_memory:.3f} GB")
     return lines
 

@@ -34,6 +34,8 @@ class Telemetry:
     """
 
     window: int = 1024
+    policy: str = ""  # the draft policy that ran: adaptive, off, threshold, auto
+    note: str | None = None  # why, when it is not what was asked for
     n_current: int = 0
     ece: float = float("nan")
     speedup_ratio: float = float("nan")
