@@ -584,17 +584,24 @@ def measure(
     trials: int,
     progress: Callable[[str], None] = lambda message: None,
 ) -> list[Measurement]:
-    """Run every variant on every prompt, ``trials`` times, interleaved."""
+    """Run every variant on every prompt, ``trials`` times, interleaved: each
+    prompt runs under every variant before the next prompt, in an order that
+    reverses from one prompt to the next, so that a change in the machine's
+    load falls on all variants alike."""
     results = [Measurement(v) for v in variants]
     for m in results:  # warm up: compilation, allocation, caches
         progress(f"warming up: {m.variant.name}")
         m.variant.run(pair, prompts[0], min(max_tokens, 8))
     for trial in range(trials):
-        for m in results:
-            progress(f"trial {trial + 1}/{trials}: {m.variant.name}")
-            mx.reset_peak_memory()
-            runs = [m.variant.run(pair, p, max_tokens) for p in prompts]
-            m.peak = max(m.peak, mx.get_peak_memory() / 1e9)
+        progress(f"trial {trial + 1}/{trials}")
+        runs_of: list[list] = [[] for _ in results]
+        for p, prompt in enumerate(prompts):
+            order = range(len(results))
+            for i in order if (trial * len(prompts) + p) % 2 == 0 else reversed(order):
+                mx.reset_peak_memory()
+                runs_of[i].append(results[i].variant.run(pair, prompt, max_tokens))
+                results[i].peak = max(results[i].peak, mx.get_peak_memory() / 1e9)
+        for m, runs in zip(results, runs_of, strict=True):
             tokens = sum(max(len(r.tokens) - 1, 0) for r in runs)
             seconds = sum(r.decode_time for r in runs)
             m.trials.append(tokens / seconds if seconds > 0 else 0.0)
