@@ -1184,7 +1184,10 @@ def randomize_weights(model: nn.Module, seed: int = 0) -> None:
 
 def _check_args(args) -> None:
     if args.max_tokens < 2:
-        raise DSparkError(f"--max-tokens must be at least 2, got {args.max_tokens}.")
+        raise DSparkError(
+            f"--max-tokens must be at least 2 (speed is measured after the first "
+            f"token), got {args.max_tokens}."
+        )
     if args.trials < 1:
         raise DSparkError(f"--trials must be at least 1, got {args.trials}.")
     if args.parity_record and args.parity_check:

@@ -405,6 +405,12 @@ def _run_dspark(args: argparse.Namespace, explicit: set[str]) -> None:
             "with the shipped DSpark drafter.",
             file=sys.stderr,
         )
+    if num_draft == 0:
+        print(
+            "--dspark-n-draft 0: every round decodes with the target alone "
+            "(no drafts).",
+            file=sys.stderr,
+        )
     responses = stream_generate(
         model,
         tokenizer,

@@ -157,3 +157,13 @@ def test_missing_paths_and_broken_files(pair, tmp_path):
     assert "Traceback" not in cut.stderr and len(cut.stderr.strip().splitlines()) == 1
     unknown = run("--model", target, "--no-such-flag")
     assert unknown.returncode != 0 and "Traceback" not in unknown.stderr
+
+
+def test_zero_drafts_says_the_target_decodes_alone(pair):
+    target, drafter = pair
+    result = run(
+        "--model", target, "--draft-model", drafter, "-p", "t1 t2", "-m", "6",
+        "--dspark-n-draft", "0",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "every round decodes with the target alone" in result.stderr
