@@ -8,6 +8,7 @@ target with ``mlx_dspark.train``; see ``examples/train_default_drafter.py``.
 
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
 from pathlib import Path
@@ -44,6 +45,12 @@ def target_dir(gguf: Path | None = None) -> Path:
         raise DSparkError(INSTALL_HINT + ".")
     from .convert.gguf import convert_gguf
 
+    logging.getLogger("mlx_dspark").warning(
+        "First use of the default pair: converting %s (%.0f MB) to float32 into %s.",
+        gguf.name,
+        gguf.stat().st_size / 1e6,
+        final,
+    )
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=final.parent, prefix=".smollm2-"))
     try:

@@ -154,6 +154,7 @@ def stream_generate(
         num_draft = cap
         telemetry = resolved.policy.telemetry
         telemetry.policy, telemetry.note = resolved.mode, resolved.note
+        telemetry.calibration = resolved.calibration_path
         if resolved.note:
             logger.info(resolved.note)
         stats = GenerationStats()
@@ -247,6 +248,8 @@ def format_stats(response: DSparkResponse) -> list[str]:
         lines.append(line)
         if tele.note:
             lines.append(tele.note)
+        if tele.calibration:
+            lines.append(f"Calibration: {tele.calibration}")
     lines.append(f"Peak memory: {response.peak_memory:.3f} GB")
     return lines
 

@@ -36,6 +36,7 @@ class Telemetry:
     window: int = 1024
     policy: str = ""  # the draft policy that ran: adaptive, off, threshold, auto
     note: str | None = None  # why, when it is not what was asked for
+    calibration: str | None = None  # the STS calibration file in use
     n_current: int = 0
     ece: float = float("nan")
     speedup_ratio: float = float("nan")
