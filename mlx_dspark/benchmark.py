@@ -705,14 +705,26 @@ def _fmt(value: float | None, spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+_NARROW_COLUMNS = {
+    "mode": "mode",
+    "tok/s (min-max)": "tok/s",
+    "speedup": "speedup",
+    "mean acc. len": "acc. len",
+    "lossless": "lossless",
+}
+
+
 def render(report: dict, console) -> None:
+    """The records as a table; below 140 columns the table keeps the main
+    columns and the rest follows as one line per mode."""
     from rich.table import Table
 
     machine = report["machine"]
     tag = "SYNTHETIC " if report["synthetic"] else ""
     title = f"{tag}mlx-dspark benchmark: {report['pair']['label']}"
+    wide = console.width >= 140
     table = Table(title=title)
-    for name, justify in [
+    columns = [
         ("mode", "left"),
         ("tok/s (min-max)", "right"),
         ("speedup", "right"),
@@ -722,8 +734,11 @@ def render(report: dict, console) -> None:
         ("draft / verify s", "right"),
         ("peak MB", "right"),
         ("lossless", "center"),
-    ]:
-        table.add_column(name, justify=justify, no_wrap=True)
+    ]
+    shown = [c for c in columns if wide or c[0] in _NARROW_COLUMNS]
+    for name, justify in shown:
+        table.add_column(name if wide else _NARROW_COLUMNS[name], justify=justify)
+    details = []
     for r in report["records"]:
         lossless = {True: "yes", False: "[red]NO[/]", None: "-"}[r["lossless"]]
         times = (
@@ -731,22 +746,34 @@ def render(report: dict, console) -> None:
             if r["draft_time_s"] is None
             else f"{r['draft_time_s']:.2f} / {r['verify_time_s']:.2f}"
         )
-        table.add_row(
-            r["mode"],
-            f"{r['tok_per_s']:.1f} ({r['tok_per_s_min']:.1f}-{r['tok_per_s_max']:.1f})",
-            f"{r['speedup']:.2f}x",
-            _fmt(r["ceiling_fraction"]),
-            f"{r['mean_accepted_length']:.2f}",
-            " ".join(f"{a:.2f}" for a in r["acceptance_by_position"]) or "-",
-            times,
-            f"{r['peak_memory_gb'] * 1000:.0f}",
-            lossless,
-        )
+        by_position = " ".join(f"{a:.2f}" for a in r["acceptance_by_position"]) or "-"
+        cells = {
+            "mode": r["mode"],
+            "tok/s (min-max)": f"{r['tok_per_s']:.1f}"
+            + (f" ({r['tok_per_s_min']:.1f}-{r['tok_per_s_max']:.1f})" if wide else ""),
+            "speedup": f"{r['speedup']:.2f}x",
+            "x ceiling": _fmt(r["ceiling_fraction"]),
+            "mean acc. len": f"{r['mean_accepted_length']:.2f}",
+            "acceptance by position": by_position,
+            "draft / verify s": times,
+            "peak MB": f"{r['peak_memory_gb'] * 1000:.0f}",
+            "lossless": lossless,
+        }
+        table.add_row(*(cells[name] for name, _ in shown))
+        if not wide:
+            details.append(
+                f"{r['mode']}: tok/s {r['tok_per_s_min']:.1f}-{r['tok_per_s_max']:.1f}"
+                f"; acceptance by position {by_position}; draft / verify {times} s; "
+                f"peak {cells['peak MB']} MB; x ceiling {cells['x ceiling']}"
+            )
     console.print(table)
     settings = report["settings"]
+    trials = settings["trials"]
     lines = [
+        *details,
         f"prompts: {settings['prompts']} ({settings['num_prompts']}), "
-        f"max tokens {settings['max_tokens']}, {settings['trials']} trials, greedy",
+        f"max tokens {settings['max_tokens']}, {trials} trial{'s' * (trials != 1)}, "
+        "greedy",
         f"backend {machine['backend']}, BLAS {machine['blas']}"
         + (
             f" ({machine['blas_gflops']:.1f} GFLOP/s matmul)"
@@ -756,7 +783,8 @@ def render(report: dict, console) -> None:
         + (" [slow reference BLAS]" if machine.get("blas_slow") else ""),
         f"roofline: {machine['bandwidth_gb_s']:.1f} GB/s measured, "
         f"{machine['target_bytes_per_step'] / 1e6:.1f} MB read per target step, "
-        f"plain-decoding ceiling {machine['ceiling_tok_per_s']:.1f} tok/s",
+        f"plain-decoding ceiling {machine['ceiling_tok_per_s']:.1f} tok/s "
+        "(x ceiling: tok/s as a fraction of it)",
     ]
     if report["synthetic"]:
         lines.append(

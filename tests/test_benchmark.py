@@ -135,6 +135,7 @@ def test_cli_writes_valid_json(small, tmp_path, capsys, monkeypatch):
     assert all(r["lossless"] for r in report["records"])
     assert report["machine"]["ceiling_tok_per_s"] > 0
     assert "plain-decoding ceiling" in out and "BLAS" in out
+    assert_readable_at_80_columns(report)
     try:
         import matplotlib  # noqa: F401
 
@@ -312,3 +313,21 @@ def test_randomized_weights_keep_shapes(small):
     }
     changed = [k for k in before if not (before[k] == after[k]).all().item()]
     assert len(changed) >= len(before) - 2
+
+
+def assert_readable_at_80_columns(report):
+    import io
+
+    from rich.console import Console
+
+    from mlx_dspark.benchmark import render
+
+    console = Console(width=80, file=io.StringIO(), record=True)
+    render(report, console)
+    text = console.export_text()
+    assert "\u2026" not in text  # nothing squeezed to an ellipsis
+    for r in report["records"]:
+        assert f"{r['speedup']:.2f}x" in text and f"{r['mode']}: tok/s" in text
+    assert "1 trial," in text and "x ceiling:" in text
+    table = [line for line in text.splitlines() if line[:1] in "┏┃┡│└"]
+    assert table and max(len(line) for line in table) <= 80
