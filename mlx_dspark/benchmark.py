@@ -1086,6 +1086,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mlx_dspark.benchmark",
         description="Compare target-only, mlx-lm speculative and DSpark decoding.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--model", help="Target model path or Hugging Face repo.")
     p.add_argument("--draft-model", help="DSpark drafter path or Hugging Face repo.")
@@ -1097,8 +1098,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--mlx-lm-num-draft", type=int, default=3, help="Drafts per round for it."
     )
     p.add_argument("--prompts", default="chat", help="chat, code, math, or a file.")
-    p.add_argument("--max-tokens", "-m", type=int, default=64)
-    p.add_argument("--trials", type=int, default=3)
+    p.add_argument(
+        "--max-tokens", "-m", type=int, default=64, help="Tokens per prompt."
+    )
+    p.add_argument(
+        "--trials", type=int, default=3, help="Passes over the prompts (median)."
+    )
     p.add_argument(
         "--modes",
         default=",".join(MODES),
@@ -1121,7 +1126,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tree-budgets", default="8,16", help="Node budgets for the tree modes."
     )
-    p.add_argument("--ignore-chat-template", action="store_true")
+    p.add_argument(
+        "--ignore-chat-template",
+        action="store_true",
+        help="Use the prompts as they are, without the tokenizer's chat template.",
+    )
     p.add_argument("--json", type=Path, help="Write the records as JSON here.")
     p.add_argument("--plot", type=Path, help="Write PNG plots into this folder.")
     p.add_argument(
@@ -1138,7 +1147,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--parity-record", type=Path, help="Record a golden greedy trace.")
     p.add_argument("--parity-check", type=Path, help="Replay a golden trace.")
-    p.add_argument("--parity-rtol", type=float, default=1e-3)
+    p.add_argument(
+        "--parity-rtol",
+        type=float,
+        default=1e-3,
+        help="Relative logit tolerance of --parity-check.",
+    )
     p.add_argument(
         "--profile",
         action="store_true",
