@@ -52,7 +52,14 @@ def dspark_greedy(model, tokenizer, drafter, prompts=PROMPTS):
     outputs, rounds = [], []
     for prompt in prompts:
         responses = list(
-            stream_generate(model, tokenizer, drafter, prompt, max_tokens=MAX_TOKENS)
+            stream_generate(
+                model,
+                tokenizer,
+                drafter,
+                prompt,
+                max_tokens=MAX_TOKENS,
+                num_draft=drafter.block_size,  # fixed: rounds comparable across runs
+            )
         )
         outputs.append([r.token for r in responses])
         rounds.append([r.accepted for r in responses[-1].stats.rounds])
