@@ -107,8 +107,9 @@ class AdaptivePolicy(_Recording):
 
     def remember(self, earlier: AdaptivePolicy) -> None:
         """Start from what an earlier generation measured (costs, acceptance,
-        how long drafts were kept), not from the prior; the plain-round
-        schedule starts afresh."""
+        how long drafts were kept, how long to wait before probing), not
+        from the prior."""
+        self.interval = earlier.interval
         self.plain_costs.extend(earlier.plain_costs)
         self.drafted_costs.extend(earlier.drafted_costs)
         self.kept.extend(earlier.kept)

@@ -129,6 +129,7 @@ def test_a_later_generation_remembers_what_was_measured():
     assert fresh.best_length(7) > 0  # the optimistic start
     fresh.remember(policy)
     assert fresh.best_length(7) == 0 and fresh.plain_left == 0
+    assert fresh.interval == policy.interval > fresh.probe_after  # probes backed off
     assert list(fresh.plain_costs) == list(policy.plain_costs)
 
 
