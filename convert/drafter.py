@@ -97,32 +97,25 @@ _SPECULATORS_ONLY = (
 )
 PROVENANCE_KEY = "mlx_dspark_conversion"
 FORMATS = ("mlx", "deepspec", "speculators")
-# DSpark keys of a DeepSpec config; the rest describe the Qwen3 layer.
-_DSPARK_KEYS = (
-    "architectures",
+# DSpark keys a speculators config keeps at its top level.
+SPECULATORS_DSPARK_KEYS = (
     "block_size",
     "mask_token_id",
-    "target_layer_ids",
     "num_anchors",
     "num_target_layers",
     "markov_rank",
     "markov_head_type",
     "enable_confidence_head",
     "confidence_head_with_markov",
+)
+# DSpark keys of a DeepSpec config; the rest describe the Qwen3 layer.
+DSPARK_KEYS = (
+    "architectures",
+    "target_layer_ids",
+    *SPECULATORS_DSPARK_KEYS,
     "draft_vocab_size",
     "target_model",
     PROVENANCE_KEY,
-)
-# DSpark keys a speculators config keeps at its top level.
-_SPECULATORS_DSPARK_KEYS = (
-    "block_size",
-    "mask_token_id",
-    "num_anchors",
-    "num_target_layers",
-    "markov_rank",
-    "markov_head_type",
-    "enable_confidence_head",
-    "confidence_head_with_markov",
 )
 # Files beside the weights that a conversion carries over.
 CALIBRATION_FILE = "dspark_calibration.json"
@@ -404,7 +397,7 @@ def deepspec_config_to_speculators(
 ) -> dict[str, Any]:
     """The speculators ``dspark`` config of a DeepSpec one (the inverse of
     :func:`speculators_config_to_deepspec`)."""
-    layer = {k: v for k, v in config.items() if k not in _DSPARK_KEYS}
+    layer = {k: v for k, v in config.items() if k not in DSPARK_KEYS}
     layer["model_type"] = "qwen3"
     layer["architectures"] = ["Qwen3ForCausalLM"]
     out = {
@@ -420,7 +413,7 @@ def deepspec_config_to_speculators(
             "verifier": {"name_or_path": verifier, "architectures": []},
         },
     }
-    for key in _SPECULATORS_DSPARK_KEYS:
+    for key in SPECULATORS_DSPARK_KEYS:
         if key in config:
             out[key] = config[key]
     return out

@@ -38,7 +38,7 @@ from statistics import median
 from .drafter import Proposal
 from .loop import RoundStats
 from .memory import MemoryGuard
-from .policies import _raw_confidence, _Recording, calibrated_survival
+from .policies import _raw_confidence, _Recording, calibrated_survival, guarded_cap
 from .scheduler import StepRateCurve, schedule
 
 # Without any measurement or profile: a drafting round costs this many plain
@@ -197,12 +197,7 @@ class AdaptivePolicy(_Recording):
     # -- the loop's hooks --------------------------------------------------
 
     def round_cap(self, cap: int) -> int:
-        if self.guard is not None:
-            try:
-                cap = min(cap, int(self.guard.cap()))
-                self.telemetry.memory_pressure_level = int(self.guard.level)
-            except Exception:
-                pass  # the guard never stops a generation
+        cap = guarded_cap(self.guard, self.telemetry, cap)
         n = self._decide(cap) if cap > 0 else 0
         self.telemetry.n_current = n
         return n

@@ -56,6 +56,18 @@ def _raw_confidence(proposal: Proposal, cap: int, row: int = 0) -> np.ndarray | 
 
 
 @dataclass
+def guarded_cap(guard: MemoryGuard | None, telemetry: Telemetry, cap: int) -> int:
+    """``cap`` lowered by the memory guard under pressure; a failing guard
+    never stops a generation."""
+    if guard is not None:
+        try:
+            cap = min(cap, int(guard.cap()))
+            telemetry.memory_pressure_level = int(guard.level)
+        except Exception:
+            pass
+    return cap
+
+
 class _Recording:
     """Telemetry for every round: cap, admitted, expected vs actual accepted."""
 
@@ -109,12 +121,7 @@ class SchedulerPolicy(_Recording):
             raise ValueError("SchedulerPolicy needs a step-rate curve")
 
     def round_cap(self, cap: int) -> int:
-        if self.guard is not None:
-            try:
-                cap = min(cap, int(self.guard.cap()))
-                self.telemetry.memory_pressure_level = int(self.guard.level)
-            except Exception:
-                pass  # the guard never stops a generation
+        cap = guarded_cap(self.guard, self.telemetry, cap)
         self.telemetry.n_current = cap
         return cap
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from mlx_dspark.convert.__main__ import main as convert_main
 from mlx_dspark.convert.drafter import (
+    DSPARK_KEYS,
     convert_drafter,
     draft_to_target_ids,
     plan_drafter,
@@ -86,20 +87,6 @@ def write_sharded(src: Path, dst: Path, parts: int = 3) -> None:
         weight_map.update(dict.fromkeys(shard, file))
     index = {"metadata": {}, "weight_map": weight_map}
     (dst / "model.safetensors.index.json").write_text(json.dumps(index))
-
-
-DSPARK_KEYS = (
-    "architectures",
-    "block_size",
-    "mask_token_id",
-    "target_layer_ids",
-    "num_anchors",
-    "num_target_layers",
-    "markov_rank",
-    "markov_head_type",
-    "enable_confidence_head",
-    "confidence_head_with_markov",
-)
 
 
 def write_speculators(
