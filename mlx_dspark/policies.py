@@ -55,7 +55,6 @@ def _raw_confidence(proposal: Proposal, cap: int, row: int = 0) -> np.ndarray | 
     return np.array(proposal.confidence[row, :cap].astype(mx.float32))
 
 
-@dataclass
 def guarded_cap(guard: MemoryGuard | None, telemetry: Telemetry, cap: int) -> int:
     """``cap`` lowered by the memory guard under pressure; a failing guard
     never stops a generation."""
@@ -68,6 +67,7 @@ def guarded_cap(guard: MemoryGuard | None, telemetry: Telemetry, cap: int) -> in
     return cap
 
 
+@dataclass
 class _Recording:
     """Telemetry for every round: cap, admitted, expected vs actual accepted."""
 
