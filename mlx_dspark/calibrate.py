@@ -283,7 +283,7 @@ def _cli(
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature."),
     seed: int = typer.Option(0, "--seed", help="Random seed."),
     plot: bool = typer.Option(
-        True, "--plot/--no-plot", help="Write a reliability diagram PNG."
+        True, "--plot/--no-plot", help="Write a reliability diagram PNG.", metavar=""
     ),
 ) -> None:
     """Fit the confidence head's STS temperatures for a target/drafter pair."""
