@@ -6,7 +6,14 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
-from test_sampling import CONFIGS, PROMPT, chi_square, chi_square_critical, exact_joint
+from test_sampling import (
+    CONFIGS,
+    PROMPT,
+    chi_square,
+    chi_square_critical,
+    exact_joint,
+    sample_first_three,
+)
 
 from mlx_dspark import stream_generate
 from mlx_dspark.adaptive import AdaptivePolicy
@@ -253,20 +260,10 @@ def test_sampling_exact_with_plain_rounds_mixed_in(pair_factory, pattern):
     )
     params = CONFIGS[0]
     joint = exact_joint(model, params)
-    target = TargetAdapter(model, drafter.config.target_layer_ids)
-    seeds, samples = 1500, {}
-    for seed in range(seeds):
-        tokens = speculative_generate_step(
-            mx.array(PROMPT),
-            target,
-            drafter,
-            params=params,
-            max_tokens=3,
-            seed=seed,
-            policy=Alternate(pattern),
-        )
-        key = tuple(t for t, _ in tokens)
-        samples[key] = samples.get(key, 0) + 1
+    seeds = 1500
+    samples, _ = sample_first_three(
+        model, drafter, params, seeds=seeds, policy=lambda: Alternate(pattern)
+    )
     stat, dof = chi_square(samples, joint, seeds)
     assert dof >= 5
     assert stat < chi_square_critical(dof), (stat, dof)

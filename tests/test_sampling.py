@@ -63,7 +63,8 @@ def chi_square(samples: Counter, joint: dict, n: int) -> tuple[float, int]:
     return stat, dof
 
 
-def sample_first_three(model, drafter, params, mode=None, seeds=SEEDS):
+def sample_first_three(model, drafter, params, mode=None, seeds=SEEDS, policy=None):
+    """``policy``, when given, makes each seed's draft policy."""
     target = TargetAdapter(model, drafter.config.target_layer_ids)
     samples, stats = Counter(), GenerationStats()
     for seed in range(seeds):
@@ -76,6 +77,7 @@ def sample_first_three(model, drafter, params, mode=None, seeds=SEEDS):
             seed=seed,
             mode=mode,
             stats=stats,
+            policy=None if policy is None else policy(),
         )
         samples[tuple(t for t, _ in itertools.islice(tokens, 3))] += 1
     return samples, stats

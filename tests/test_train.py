@@ -108,28 +108,7 @@ def test_default_layer_ids():
 def test_training_forward_equals_inference_forward(setup):
     _, _, model, _, _ = setup
     for head in ("vanilla", "rnn"):
-        config = DraftConfig.from_dict(
-            {
-                "architectures": ["Qwen3DSparkModel"],
-                "hidden_size": 64,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "head_dim": 16,
-                "intermediate_size": 96,
-                "vocab_size": 32,
-                "block_size": 5,
-                "mask_token_id": 31,
-                "target_layer_ids": [-1, 0],
-                "markov_rank": 8,
-                "markov_head_type": head,
-                "enable_confidence_head": True,
-                "confidence_head_with_markov": True,
-                "rope_theta": 10000.0,
-            }
-        )
-        target = TargetAdapter(model, config.target_layer_ids)
-        drafter = new_drafter(config, target, seed=1)
+        drafter, target, _ = _tiny_drafter(model, head)
         tokens = mx.array([[3, 5, 7, 9, 11, 13, 2, 4, 6, 8, 10, 12], [1] * 12])
         _, features = target.hidden(tokens, target.make_cache())
         anchors = mx.array([[0, 1, 4, 10], [2, 3, 5, 6]])
