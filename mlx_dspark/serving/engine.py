@@ -1,0 +1,518 @@
+"""Batched speculative decoding for a server: many requests, one target forward.
+
+Requests join the running batch as they arrive. Each step drafts a block for
+every active request, Algorithm 1 (:meth:`SchedulerPolicy.draft_lengths`, one
+call over the whole batch, with each request's calibrated survival and the
+measured cost of batched target steps) decides how many drafts of each request
+to verify, and one :meth:`TargetAdapter.forward_batch` verifies them all. Each
+request keeps its own caches, sampling parameters and random streams, and
+accepts with the package's own rule (:func:`~mlx_dspark.loop.settle_chain`),
+so its tokens are what it would get alone: greedy identical, sampled exact.
+
+All MLX work happens on the engine's one thread; callers talk to it through
+:class:`RequestHandle` queues. This module never prints.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..drafter import DSparkDrafter, Proposal
+from ..loop import RoundStats, first_token, prefill, settle_chain
+from ..memory import MemoryGuard
+from ..policies import SchedulerPolicy, telemetry_for
+from ..sampling import SamplingParams
+from ..scheduler import SchedulerSettings, StepRateCurve
+from ..target import TargetAdapter
+from ..telemetry import Telemetry
+
+logger = logging.getLogger("mlx_dspark.server")
+
+
+@dataclass
+class GenerationRequest:
+    """One request as the engine sees it: token ids and how to decode them."""
+
+    prompt: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int = 256
+    seed: int | None = None
+    logprobs: bool = False
+
+
+@dataclass
+class Event:
+    """Tokens committed for a request; the last event has ``finish_reason``.
+
+    ``finish_reason`` is "stop" (end of sequence), "length", "cancelled" or
+    "error" (then ``error`` says why).
+    """
+
+    tokens: list[int]
+    logprobs: list[float] | None = None
+    finish_reason: str | None = None
+    usage: dict | None = None
+    error: str | None = None
+
+
+class RequestHandle:
+    """The caller's side of a request: its events and a way to cancel it."""
+
+    def __init__(self, request: GenerationRequest):
+        self.request = request
+        self.events: queue.Queue[Event] = queue.Queue()
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        """Leave the batch at the next step; the engine frees the caches."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
+@dataclass
+class _Slot:
+    """A running request's state between steps."""
+
+    handle: RequestHandle
+    cache: list
+    draft_cache: object
+    unseen: list  # target features the drafter has not ingested yet
+    anchor: int
+    start: int  # position of the anchor
+    rng: np.random.Generator
+    key: mx.array
+    produced: int = 0
+    rounds: list[RoundStats] = field(default_factory=list)
+    batch_sizes: int = 0  # sum over rounds of the batch each round ran in
+    done: bool = False
+
+    @property
+    def request(self) -> GenerationRequest:
+        return self.handle.request
+
+
+@dataclass
+class EngineStats:
+    """Totals since the engine started (read by ``/metrics`` and tests)."""
+
+    requests: int = 0
+    finished: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    target_forwards: int = 0
+    request_rounds: int = 0  # sum of batch sizes over target forwards
+    max_batch: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    drafts_verified: int = 0
+    drafts_accepted: int = 0
+    active: int = 0
+    waiting: int = 0
+
+    @property
+    def mean_batch(self) -> float:
+        return (
+            self.request_rounds / self.target_forwards if self.target_forwards else 0.0
+        )
+
+
+class StepCost:
+    """Measured cost of a batched step, as the curve Algorithm 1 reads.
+
+    Target forwards are timed by their total query tokens (exponential moving
+    average per size); sizes not measured yet come from ``prior`` (a cached
+    profile) scaled to the measurements, and without a prior the measured
+    points alone (held flat beyond them, so larger batches get tried and
+    measured). ``draft_seconds`` is the measured drafting time of a step.
+    """
+
+    def __init__(self, prior: StepRateCurve | None = None, alpha: float = 0.3):
+        self.prior = prior
+        self.alpha = alpha
+        self.seconds: dict[int, float] = {}
+        self.draft_seconds = 0.0 if prior is None else prior.draft_seconds
+
+    def _average(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.alpha) * old + self.alpha * new
+
+    def record_verify(self, tokens: int, seconds: float) -> None:
+        self.seconds[tokens] = self._average(self.seconds.get(tokens), seconds)
+
+    def record_draft(self, seconds: float) -> None:
+        self.draft_seconds = self._average(self.draft_seconds or None, seconds)
+
+    def curve(self) -> StepRateCurve:
+        points = dict(self.seconds)
+        if self.prior is not None:
+            sizes = self.prior.batch_sizes
+            common = [b for b in sizes if b in points]
+            scale = 1.0
+            if common:
+                scale = float(
+                    np.median([points[b] * self.prior.sps(b) for b in common])
+                )
+            for b in sizes:
+                points.setdefault(b, scale / self.prior.sps(b))
+        if not points:
+            return StepRateCurve.linear(1.0, 0.05, draft_seconds=self.draft_seconds)
+        return StepRateCurve.from_measurements(points, self.draft_seconds)
+
+
+@dataclass
+class EngineConfig:
+    """``num_draft``: drafts per request per step at most (None: the drafter's
+    block size; 0: plain batched decoding, no drafter). ``max_batch``: requests
+    decoded together; more wait. ``settings``: scheduler and memory-guard knobs
+    (DSPARK_* variables override them)."""
+
+    num_draft: int | None = None
+    max_batch: int = 8
+    prefill_step_size: int = 512
+    settings: SchedulerSettings = field(default_factory=SchedulerSettings)
+    prior: StepRateCurve | None = None
+
+
+def _empty_proposal() -> Proposal:
+    return Proposal(mx.zeros((1, 0), mx.int32), mx.zeros((1, 0, 1)), mx.zeros((1, 0)))
+
+
+def _token_logprobs(logits: mx.array, tokens: list[int]) -> list[float]:
+    """Log-probabilities of ``tokens`` under the rows ``logits [n, V]`` (raw
+    model distribution, as mlx-lm reports)."""
+    logits = logits.astype(mx.float32)
+    rows = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    picked = mx.take_along_axis(rows, mx.array(tokens)[:, None], axis=-1)
+    return [float(x) for x in np.array(picked).ravel()]
+
+
+class BatchEngine:
+    """Continuous batching of DSpark speculative decoding on one thread.
+
+    ``submit`` queues a request and returns its handle; the engine thread
+    (``start``) admits waiting requests between steps, prefills them, and
+    runs batched draft / schedule / verify steps until every request is done.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        drafter: DSparkDrafter,
+        config: EngineConfig | None = None,
+        memory_source=None,
+    ):
+        from ..calibrate import find_calibration
+
+        self.model = model
+        self.drafter = drafter
+        self.config = config or EngineConfig()
+        self.target = TargetAdapter(model, drafter.config.target_layer_ids)
+        self.eos = set(int(t) for t in getattr(tokenizer, "eos_token_ids", ()))
+        settings = SchedulerSettings.from_env(base=self.config.settings)
+        block = drafter.block_size
+        n_max = settings.n_max(block)
+        if self.config.num_draft is not None:
+            n_max = min(n_max, self.config.num_draft)
+        self.n_max = max(0, n_max)
+        found = find_calibration(model, drafter)
+        guard = None
+        if self.n_max > 0:
+            guard = MemoryGuard.from_settings(
+                settings, self.n_max, memory_source
+            )
+        self.cost = StepCost(self.config.prior)
+        self.policy = SchedulerPolicy(
+            None if found is None else list(found[0].temperatures),
+            telemetry_for(found),
+            curve=self.cost.curve(),
+            settings=settings,
+            guard=guard,
+        )
+        self.policy.telemetry.policy = "auto" if self.n_max else "off"
+        if found is not None:
+            self.policy.telemetry.calibration = str(found[1])
+        self.stats = EngineStats()
+        self._waiting: deque[RequestHandle] = deque()
+        self._active: list[_Slot] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # -- caller side -------------------------------------------------------
+
+    @property
+    def telemetry(self) -> Telemetry:
+        return self.policy.telemetry
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> BatchEngine:
+        self._thread = threading.Thread(
+            target=self._run, name="dspark-engine", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        if not request.prompt:
+            raise ValueError("the prompt is empty")
+        if request.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        handle = RequestHandle(request)
+        with self._lock:
+            self._waiting.append(handle)
+            self.stats.requests += 1
+            self.stats.waiting = len(self._waiting)
+            self._wake.notify_all()
+        return handle
+
+    # -- engine thread -----------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and not self._waiting and not self._active:
+                    self._wake.wait(timeout=0.5)
+                if self._stopping:
+                    break
+                room = max(0, self.config.max_batch - len(self._active))
+                joining = [
+                    self._waiting.popleft() for _ in range(room) if self._waiting
+                ]
+                self.stats.waiting = len(self._waiting)
+            for handle in joining:
+                self._admit(handle)
+            self._drop_cancelled()
+            if not self._active:
+                continue
+            try:
+                self._step()
+            except Exception as error:  # never take the server down
+                logger.exception("batched step failed")
+                for slot in list(self._active):
+                    self._finish(slot, "error", f"generation failed: {error}")
+            self.stats.active = len(self._active)
+        for slot in list(self._active):
+            self._finish(slot, "cancelled")
+        with self._lock:
+            while self._waiting:
+                self._waiting.popleft().events.put(Event([], finish_reason="cancelled"))
+        # MLX gives each thread its own streams; a thread that leaves them
+        # running aborts the process at exit.
+        mx.synchronize()
+        clear = getattr(mx, "clear_streams", None)
+        if clear is not None:
+            clear()
+
+    def _admit(self, handle: RequestHandle) -> None:
+        if handle.cancelled:
+            self.stats.cancelled += 1
+            handle.events.put(Event([], finish_reason="cancelled"))
+            return
+        request = handle.request
+        seed = secrets.randbits(63) if request.seed is None else request.seed
+        try:
+            cache = self.target.make_cache()
+            logits, context = prefill(
+                self.target,
+                mx.array(request.prompt),
+                cache,
+                self.config.prefill_step_size,
+            )
+            rng = np.random.default_rng(seed)
+            anchor = first_token(logits, request.params, rng)
+            logprobs = (
+                _token_logprobs(logits[None], [anchor]) if request.logprobs else None
+            )
+        except Exception as error:
+            logger.exception("prefill failed")
+            self.stats.failed += 1
+            handle.events.put(
+                Event([], finish_reason="error", error=f"prefill failed: {error}")
+            )
+            return
+        slot = _Slot(
+            handle=handle,
+            cache=cache,
+            draft_cache=self.drafter.make_cache(),
+            unseen=[context],
+            anchor=anchor,
+            start=len(request.prompt),
+            rng=rng,
+            key=mx.random.key(seed),
+        )
+        self.stats.prompt_tokens += len(request.prompt)
+        self._active.append(slot)
+        self._emit(slot, [anchor], logprobs)
+
+    def _drop_cancelled(self) -> None:
+        for slot in list(self._active):
+            if slot.handle.cancelled:
+                self._finish(slot, "cancelled")
+
+    def _cap(self, slot: _Slot, cap: int) -> int:
+        return max(0, min(cap, slot.request.max_tokens - slot.produced - 1))
+
+    def _step(self) -> None:
+        slots = list(self._active)
+        tic = time.perf_counter()
+        cap = self.policy.round_cap(self.n_max) if self.n_max else 0
+        caps = [self._cap(s, cap) for s in slots]
+        proposals, lazy = [], []
+        for slot, c in zip(slots, caps, strict=True):
+            if c == 0:
+                proposals.append(_empty_proposal())
+                continue
+            params = slot.request.params
+            slot.key, round_key = mx.random.split(slot.key)
+            anchor = mx.array([slot.anchor])
+            unseen = slot.unseen
+            context = unseen[0] if len(unseen) == 1 else mx.concatenate(unseen, 1)
+            hidden = self.drafter(
+                self.drafter.block_tokens(anchor), slot.start, context, slot.draft_cache
+            )
+            proposal = self.drafter.propose(
+                hidden, anchor, c, params, None if params.greedy else round_key
+            )
+            proposals.append(proposal)
+            lazy += [proposal.tokens, proposal.confidence]
+            if not params.greedy:
+                lazy.append(proposal.logits)
+        mx.eval([a for a in lazy if a is not None])
+        drafted = time.perf_counter()
+        if any(caps):
+            self.cost.record_draft(drafted - tic)
+            self.policy.curve = self.cost.curve()
+        lengths = self.policy.draft_lengths(proposals, caps)
+        drafts = [
+            np.array(p.tokens[0, :n]).tolist() if n else []
+            for p, n in zip(proposals, lengths, strict=True)
+        ]
+        chains = [[s.anchor, *d] for s, d in zip(slots, drafts, strict=True)]
+        if len(slots) == 1:
+            outputs = [self.target(mx.array(chains), slots[0].cache)]
+        else:
+            outputs = self.target.forward_batch(chains, [s.cache for s in slots])
+        mx.eval([a for out in outputs for a in out if a is not None])
+        verified = time.perf_counter()
+        self.cost.record_verify(sum(len(c) for c in chains), verified - drafted)
+        self.stats.target_forwards += 1
+        self.stats.request_rounds += len(slots)
+        self.stats.max_batch = max(self.stats.max_batch, len(slots))
+        for slot, c, proposal, chain, (logits, features) in zip(
+            slots, caps, proposals, drafts, outputs, strict=True
+        ):
+            params = slot.request.params
+            result, _, committed = settle_chain(
+                self.target,
+                slot.cache,
+                chain,
+                proposal,
+                logits,
+                features,
+                params,
+                slot.rng,
+            )
+            tokens = [*chain[: result.accepted], result.next_token]
+            logprobs = None
+            if slot.request.logprobs:
+                logprobs = _token_logprobs(logits[0, : len(tokens)], tokens)
+            # The drafter ingested everything unseen when it drafted.
+            slot.unseen = [committed] if c else [*slot.unseen, committed]
+            slot.start += len(tokens)
+            slot.anchor = result.next_token
+            round_stats = RoundStats(
+                drafted=c,
+                verified=len(chain),
+                accepted=result.accepted,
+                draft_time=drafted - tic,
+                verify_time=verified - drafted,
+                wall_time=verified - tic,
+            )
+            slot.rounds.append(round_stats)
+            slot.batch_sizes += len(slots)
+            self.policy.observe(proposal, round_stats)
+            self.stats.drafts_verified += len(chain)
+            self.stats.drafts_accepted += result.accepted
+            self._emit(slot, tokens, logprobs)
+
+    def _emit(self, slot: _Slot, tokens: list[int], logprobs: list[float] | None):
+        """Send committed tokens, stopping at end of sequence or max_tokens."""
+        out, reason = [], None
+        for token in tokens:
+            if token in self.eos:
+                reason = "stop"
+                break
+            out.append(token)
+            slot.produced += 1
+            if slot.produced >= slot.request.max_tokens:
+                reason = "length"
+                break
+        self.stats.generated_tokens += len(out)
+        lps = None if logprobs is None else logprobs[: len(out)]
+        if out:
+            slot.handle.events.put(Event(out, lps))
+        if reason is not None:
+            self._finish(slot, reason)
+
+    def usage(self, slot: _Slot) -> dict:
+        rounds = slot.rounds
+        prompt = len(slot.request.prompt)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": slot.produced,
+            "total_tokens": prompt + slot.produced,
+            "dspark": {
+                "rounds": len(rounds),
+                "drafted": sum(r.drafted for r in rounds),
+                "verified_drafts": sum(r.verified for r in rounds),
+                "accepted_drafts": sum(r.accepted for r in rounds),
+                "mean_accepted_length": (
+                    sum(r.accepted + 1 for r in rounds) / len(rounds) if rounds else 0.0
+                ),
+                "mean_batch_size": slot.batch_sizes / len(rounds) if rounds else 0.0,
+            },
+        }
+
+    def _finish(self, slot: _Slot, reason: str, error: str | None = None) -> None:
+        if slot.done:
+            return
+        slot.done = True
+        if slot in self._active:
+            self._active.remove(slot)
+        if reason == "cancelled":
+            self.stats.cancelled += 1
+        elif reason == "error":
+            self.stats.failed += 1
+        else:
+            self.stats.finished += 1
+        usage = self.usage(slot)
+        # Free the caches now, not when the caller drops its handle.
+        slot.cache, slot.draft_cache, slot.unseen = [], None, []
+        self.stats.active = len(self._active)
+        slot.handle.events.put(
+            Event([], finish_reason=reason, usage=usage, error=error)
+        )
