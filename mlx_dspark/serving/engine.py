@@ -230,9 +230,7 @@ class BatchEngine:
         found = find_calibration(model, drafter)
         guard = None
         if self.n_max > 0:
-            guard = MemoryGuard.from_settings(
-                settings, self.n_max, memory_source
-            )
+            guard = MemoryGuard.from_settings(settings, self.n_max, memory_source)
         self.cost = StepCost(self.config.prior)
         self.policy = SchedulerPolicy(
             None if found is None else list(found[0].temperatures),

@@ -1,0 +1,323 @@
+"""The OpenAI-compatible server: batched verification, losslessness per
+request, disconnects, bad input and metrics, over real HTTP on 127.0.0.1."""
+
+import http.client
+import json
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from test_schedint import chi2, chi2_critical, exact_joint
+
+from mlx_dspark.generation import stream_generate
+from mlx_dspark.sampling import SamplingParams
+from mlx_dspark.serving import (
+    BatchEngine,
+    EngineConfig,
+    GenerationRequest,
+    ServerSettings,
+    make_server,
+)
+
+CONTEXT = 256
+PROMPTS = ["t1 t2 t3", "t7 t8", "t20 t4 t11 t9", "t0", "t13 t5 t5 t21 t2 t17"]
+
+
+@pytest.fixture(scope="module")
+def pair(pair_factory):
+    return pair_factory(block_size=8)
+
+
+@pytest.fixture(scope="module")
+def expected(pair):
+    """Greedy single-request ``generate`` tokens per prompt, before any server
+    runs (only one thread uses MLX at a time)."""
+    model, tokenizer, drafter, *_ = pair
+
+    def tokens(prompt, max_tokens):
+        responses = stream_generate(
+            model, tokenizer, drafter, prompt, max_tokens=max_tokens
+        )
+        out = [r.token for r in responses]
+        if out and out[-1] in tokenizer.eos_token_ids:
+            out.pop()
+        return out
+
+    return {(p, n): tokens(p, n) for p in PROMPTS for n in (48,)}
+
+
+@pytest.fixture(scope="module")
+def server(pair, expected):
+    model, tokenizer, drafter, *_ = pair
+    engine = BatchEngine(model, tokenizer, drafter, EngineConfig(max_batch=8))
+    settings = ServerSettings(model_name="tiny", context_length=CONTEXT)
+    httpd = make_server(engine, tokenizer, settings, port=0)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield httpd
+    httpd.shutdown()
+    httpd.server_close()
+    engine.stop()
+
+
+def post(server, path, body, raw=None):
+    conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=60)
+    data = raw if raw is not None else json.dumps(body).encode()
+    conn.request("POST", path, data, {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    text = response.read().decode()
+    conn.close()
+    return response.status, text
+
+
+def get(server, path):
+    conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=30)
+    conn.request("GET", path)
+    response = conn.getresponse()
+    text = response.read().decode()
+    conn.close()
+    return response.status, response.getheader("Content-Type"), text
+
+
+def events(text):
+    """The JSON payloads of a server-sent event stream, checking its end."""
+    chunks = [c for c in text.split("\n\n") if c.strip()]
+    assert chunks[-1] == "data: [DONE]"
+    return [json.loads(c[len("data: ") :]) for c in chunks[:-1]]
+
+
+def completion(server, prompt, max_tokens, stream, **extra):
+    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": stream, **extra}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    status, text = post(server, "/v1/completions", body)
+    assert status == 200, text
+    if not stream:
+        data = json.loads(text)
+        choice = data["choices"][0]
+        return choice["text"], choice["finish_reason"], data["usage"], choice
+    chunks = events(text)
+    usage = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == []
+    finish = chunks[-2]["choices"][0]["finish_reason"]
+    return "".join(c["choices"][0]["text"] for c in chunks[:-1]), finish, usage, None
+
+
+def test_concurrent_requests_share_forwards_and_match_generate(pair, expected, server):
+    _, tokenizer, *_ = pair
+    engine = server.engine
+    before = (engine.stats.target_forwards, engine.stats.request_rounds)
+    jobs = [(p, 48, i % 2 == 1) for i, p in enumerate(PROMPTS)]
+    jobs += [(p, 48, i % 2 == 0) for i, p in enumerate(PROMPTS)]
+    results = [None] * len(jobs)
+
+    def run(i, prompt, n, stream):
+        results[i] = completion(server, prompt, n, stream, logprobs=not stream)
+
+    threads = [
+        threading.Thread(target=run, args=(i, *job)) for i, job in enumerate(jobs)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for (prompt, n, _), (text, finish, usage, choice) in zip(
+        jobs, results, strict=True
+    ):
+        want = expected[(prompt, n)]
+        assert text == tokenizer.decode(want), prompt
+        if choice is not None:
+            assert [t["id"] for t in choice["logprobs"]["content"]] == want
+            assert all(t["logprob"] <= 0 for t in choice["logprobs"]["content"])
+        assert usage["completion_tokens"] == len(want)
+        assert finish == ("length" if len(want) == n else "stop")
+        dspark = usage["dspark"]
+        assert dspark["rounds"] >= 1 and dspark["accepted_drafts"] > 0
+    forwards = engine.stats.target_forwards - before[0]
+    rounds = engine.stats.request_rounds - before[1]
+    # More than one request verified per target forward, on average.
+    assert rounds > 1.5 * forwards, (rounds, forwards)
+    assert engine.stats.max_batch >= 3
+    assert max(r[2]["dspark"]["mean_batch_size"] for r in results) > 1.5
+
+
+def test_chat_streaming_and_stop(pair, expected, server):
+    _, tokenizer, *_ = pair
+    prompt = PROMPTS[0]
+    want = tokenizer.decode(expected[(prompt, 48)])
+    text, finish, usage, _ = completion(server, prompt, 48, stream=True)
+    assert text == want and usage["completion_tokens"] == 48
+    stop = want.split()[5]
+    cut = want[: want.index(stop)]
+    for stream in (False, True):
+        text, finish, _, _ = completion(server, prompt, 48, stream, stop=[stop])
+        assert (text, finish) == (cut, "stop")
+    body = {
+        "messages": [{"role": "user", "content": "t1 t2"}],
+        "max_tokens": 12,
+        "temperature": 0.7,
+        "seed": 3,
+    }
+    status, text = post(server, "/v1/chat/completions", body)
+    assert status == 200, text
+    data = json.loads(text)
+    assert data["object"] == "chat.completion"
+    assert data["choices"][0]["message"]["role"] == "assistant"
+    assert data["usage"]["completion_tokens"] <= 12
+    status, text = post(server, "/v1/chat/completions", {**body, "stream": True})
+    assert status == 200
+    chunks = events(text)
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def wait_for(condition, seconds=20.0):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_disconnect_frees_the_slot(server):
+    engine = server.engine
+    assert wait_for(lambda: engine.stats.active == 0)
+    cancelled = engine.stats.cancelled
+    sock = socket.create_connection(("127.0.0.1", server.server_address[1]))
+    body = json.dumps(
+        {"prompt": PROMPTS[1], "max_tokens": CONTEXT - 3, "stream": True}
+    ).encode()
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+        + f"\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+    sock.close()
+    assert wait_for(lambda: engine.stats.cancelled == cancelled + 1)
+    assert engine.stats.active == 0
+    assert all(not s.cache for s in engine._active)
+    # Still serving.
+    text, finish, usage, _ = completion(server, PROMPTS[3], 5, stream=False)
+    assert usage["completion_tokens"] == 5 and finish == "length"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"{not json",
+        b"[1, 2]",
+        {"prompt": "t1", "max_tokens": 0},
+        {"prompt": "t1", "max_tokens": "5"},
+        {"prompt": "t1", "max_tokens": True},
+        {"prompt": "t1", "temperature": -0.5},
+        {"prompt": "t1", "top_p": 2},
+        {"prompt": "t1", "top_k": 1.5},
+        {"prompt": "t1", "stream": "yes"},
+        {"prompt": "t1", "stop": 5},
+        {"prompt": "t1", "seed": "x"},
+        {"prompt": 12},
+        {"prompt": ""},
+        {"prompt": [1, 2, 999]},
+        {"prompt": " ".join(["t1"] * CONTEXT)},
+        {"messages": "hi"},
+        {"messages": [{"content": "no role"}]},
+    ],
+)
+def test_bad_requests_get_400(server, body):
+    if isinstance(body, bytes):
+        status, text = post(server, "/v1/completions", None, raw=body)
+    else:
+        chat = "messages" in body
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        status, text = post(server, path, body)
+    assert status == 400, text
+    error = json.loads(text)["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+
+
+def test_endpoints_and_metrics(server):
+    status, kind, text = get(server, "/health")
+    assert (status, json.loads(text)) == (200, {"status": "ok"})
+    status, _, text = get(server, "/v1/models")
+    assert status == 200 and json.loads(text)["data"][0]["id"] == "tiny"
+    assert post(server, "/v1/nothing", {})[0] == 404
+    completion(server, PROMPTS[2], 8, stream=False)
+    status, kind, text = get(server, "/metrics")
+    assert status == 200 and kind.startswith("text/plain")
+    sample = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            assert re.match(r"^# (HELP|TYPE) [a-zA-Z_:][a-zA-Z0-9_:]* .+", line), line
+            continue
+        match = sample.match(line)
+        assert match, line
+        values[match.group(1) + (match.group(2) or "")] = float(match.group(3))
+    for name in (
+        "dspark_draft_acceptance_rate",
+        "dspark_scheduler_n_current",
+        "dspark_confidence_head_ece",
+        "dspark_verification_latency_ms_count",
+        "dspark_speedup_ratio",
+        "dspark_memory_pressure_level",
+        "dspark_server_target_forwards_total",
+    ):
+        assert name in values, name
+    assert 0 < values["dspark_draft_acceptance_rate"] <= 1
+    assert (
+        values["dspark_server_request_rounds_total"]
+        >= values["dspark_server_target_forwards_total"]
+    )
+
+
+def test_sampled_requests_exact_in_mixed_batches(pair_factory):
+    """Sampled requests batched with greedy ones and with each other are exact
+    samples of the target (chi-square over the first tokens' joint)."""
+    model, tokenizer, drafter, *_ = pair_factory(block_size=4, sharpness=0.5, seed=3)
+    params = SamplingParams(temperature=1.0, top_k=3)
+    prompt, depth, n = [1, 2, 3], 2, 600
+    exact = exact_joint(model, prompt, params, depth)
+    engine = BatchEngine(model, tokenizer, drafter, EngineConfig(max_batch=8))
+    engine.start()
+    try:
+        handles = []
+        for seed in range(n):
+            handles.append(
+                engine.submit(GenerationRequest(prompt, params, depth + 4, seed))
+            )
+            if seed % 4 == 0:  # a greedy request in the same batches
+                handles.append(engine.submit(GenerationRequest([5, 6], max_tokens=6)))
+        counts = {}
+        for handle in handles:
+            tokens = []
+            while True:
+                event = handle.events.get(timeout=60)
+                tokens += event.tokens
+                if event.finish_reason:
+                    break
+            if handle.request.params.greedy:
+                continue
+            key = tuple(tokens[:depth])
+            counts[key] = counts.get(key, 0) + 1
+    finally:
+        engine.stop()
+    assert engine.stats.mean_batch > 2
+    assert engine.stats.drafts_accepted > 0
+    assert chi2(counts, exact, n) < chi2_critical(len(exact) - 1)
+
+
+def test_module_entry_point_help():
+    result = subprocess.run(
+        [sys.executable, "-m", "mlx_dspark.server", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "--draft-model" in result.stdout and "--port" in result.stdout
