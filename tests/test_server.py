@@ -221,6 +221,7 @@ def test_disconnect_frees_the_slot(server):
         {"prompt": "t1", "stream": "yes"},
         {"prompt": "t1", "stop": 5},
         {"prompt": "t1", "seed": "x"},
+        {"prompt": "t1", "n": 2},
         {"prompt": 12},
         {"prompt": ""},
         {"prompt": [1, 2, 999]},
@@ -321,3 +322,52 @@ def test_module_entry_point_help():
     )
     assert result.returncode == 0, result.stderr
     assert "--draft-model" in result.stdout and "--port" in result.stdout
+
+
+def run_engine(engine, prompts, max_tokens):
+    """Submit every prompt at once; the tokens of each."""
+    handles = [
+        engine.submit(GenerationRequest(p, max_tokens=max_tokens)) for p in prompts
+    ]
+    out = []
+    for handle in handles:
+        tokens = []
+        while True:
+            event = handle.events.get(timeout=60)
+            tokens += event.tokens
+            if event.finish_reason:
+                break
+        out.append(tokens)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["plain", "memory-critical"])
+def test_plain_batches_and_memory_guard(pair, expected, mode):
+    """``num_draft=0`` decodes plain batches (the DSpark-off baseline); under
+    critical memory pressure the guard lowers every cap to n_min instead of
+    failing requests. Both stay identical to ``generate``."""
+    from mlx_dspark.memory import PressureLevel
+    from mlx_dspark.scheduler import SchedulerSettings
+
+    model, tokenizer, drafter, *_ = pair
+    config = EngineConfig(num_draft=0) if mode == "plain" else EngineConfig()
+    source = None
+    if mode == "memory-critical":
+        config.settings = SchedulerSettings(n_draft_min=2, interval_ms=1e-6)
+        source = lambda: PressureLevel.CRITICAL  # noqa: E731
+    engine = BatchEngine(model, tokenizer, drafter, config, memory_source=source)
+    engine.start()
+    try:
+        prompts = [tokenizer.encode(p) for p in PROMPTS]
+        got = run_engine(engine, prompts, 48)
+    finally:
+        engine.stop()
+    assert got == [expected[(p, 48)] for p in PROMPTS]
+    assert engine.stats.mean_batch > 1.5
+    if mode == "plain":
+        assert engine.stats.drafts_verified == 0
+    else:
+        assert engine.telemetry.n_current == 2
+        assert engine.telemetry.memory_pressure_level == 2
+        assert max(engine.telemetry.length_counts) <= 2
+        assert engine.stats.drafts_accepted > 0

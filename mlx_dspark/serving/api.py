@@ -204,6 +204,8 @@ def parse_request(
     top_k = _integer(body, "top_k", settings.top_k, 0)
     min_p = _number(body, "min_p", settings.min_p, 0.0, 1.0)
     seed = _integer(body, "seed", None)
+    if _integer(body, "n", 1) != 1:
+        raise BadRequest("Only n = 1 completion per request is supported.", "n")
     logprobs = body.get("logprobs", False)
     if logprobs is None:
         logprobs = False
