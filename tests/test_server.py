@@ -341,16 +341,19 @@ def run_engine(engine, prompts, max_tokens):
     return out
 
 
-@pytest.mark.parametrize("mode", ["plain", "memory-critical"])
-def test_plain_batches_and_memory_guard(pair, expected, mode):
+@pytest.mark.parametrize("mode", ["plain", "memory-critical", "chunked-prefill"])
+def test_plain_batches_memory_guard_chunked_prefill(pair, expected, mode):
     """``num_draft=0`` decodes plain batches (the DSpark-off baseline); under
     critical memory pressure the guard lowers every cap to n_min instead of
-    failing requests. Both stay identical to ``generate``."""
+    failing requests; prompts prefilled a chunk at a time between decode
+    steps. All stay identical to ``generate``."""
     from mlx_dspark.memory import PressureLevel
     from mlx_dspark.scheduler import SchedulerSettings
 
     model, tokenizer, drafter, *_ = pair
     config = EngineConfig(num_draft=0) if mode == "plain" else EngineConfig()
+    if mode == "chunked-prefill":
+        config.prefill_step_size = 2
     source = None
     if mode == "memory-critical":
         config.settings = SchedulerSettings(n_draft_min=2, interval_ms=1e-6)
@@ -366,7 +369,7 @@ def test_plain_batches_and_memory_guard(pair, expected, mode):
     assert engine.stats.mean_batch > 1.5
     if mode == "plain":
         assert engine.stats.drafts_verified == 0
-    else:
+    elif mode == "memory-critical":
         assert engine.telemetry.n_current == 2
         assert engine.telemetry.memory_pressure_level == 2
         assert max(engine.telemetry.length_counts) <= 2

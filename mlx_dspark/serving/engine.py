@@ -28,7 +28,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..drafter import DSparkDrafter, Proposal
-from ..loop import RoundStats, first_token, prefill, settle_chain
+from ..loop import RoundStats, first_token, settle_chain
 from ..memory import MemoryGuard
 from ..policies import SchedulerPolicy, telemetry_for
 from ..sampling import SamplingParams
@@ -94,6 +94,7 @@ class _Slot:
     start: int  # position of the anchor
     rng: np.random.Generator
     key: mx.array
+    prefilled: int = 0  # prompt tokens in the cache so far
     produced: int = 0
     rounds: list[RoundStats] = field(default_factory=list)
     batch_sizes: int = 0  # sum over rounds of the batch each round ran in
@@ -245,6 +246,7 @@ class BatchEngine:
         self.stats = EngineStats()
         self._waiting: deque[RequestHandle] = deque()
         self._active: list[_Slot] = []
+        self._prefilling: list[_Slot] = []
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
@@ -292,11 +294,14 @@ class BatchEngine:
     def _run(self) -> None:
         while True:
             with self._lock:
-                while not self._stopping and not self._waiting and not self._active:
+                while not (
+                    self._stopping or self._waiting or self._active or self._prefilling
+                ):
                     self._wake.wait(timeout=0.5)
                 if self._stopping:
                     break
-                room = max(0, self.config.max_batch - len(self._active))
+                busy = len(self._active) + len(self._prefilling)
+                room = max(0, self.config.max_batch - busy)
                 joining = [
                     self._waiting.popleft() for _ in range(room) if self._waiting
                 ]
@@ -304,6 +309,10 @@ class BatchEngine:
             for handle in joining:
                 self._admit(handle)
             self._drop_cancelled()
+            # One prompt chunk between decode steps: a long prompt delays the
+            # running requests by a chunk at a time, not by its whole prefill.
+            if self._prefilling:
+                self._prefill_chunk(self._prefilling[0])
             if not self._active:
                 continue
             try:
@@ -313,7 +322,7 @@ class BatchEngine:
                 for slot in list(self._active):
                     self._finish(slot, "error", f"generation failed: {error}")
             self.stats.active = len(self._active)
-        for slot in list(self._active):
+        for slot in [*self._active, *self._prefilling]:
             self._finish(slot, "cancelled")
         with self._lock:
             while self._waiting:
@@ -332,42 +341,49 @@ class BatchEngine:
             return
         request = handle.request
         seed = secrets.randbits(63) if request.seed is None else request.seed
-        try:
-            cache = self.target.make_cache()
-            logits, context = prefill(
-                self.target,
-                mx.array(request.prompt),
-                cache,
-                self.config.prefill_step_size,
-            )
-            rng = np.random.default_rng(seed)
-            anchor = first_token(logits, request.params, rng)
-            logprobs = (
-                _token_logprobs(logits[None], [anchor]) if request.logprobs else None
-            )
-        except Exception as error:
-            logger.exception("prefill failed")
-            self.stats.failed += 1
-            handle.events.put(
-                Event([], finish_reason="error", error=f"prefill failed: {error}")
-            )
-            return
         slot = _Slot(
             handle=handle,
-            cache=cache,
+            cache=self.target.make_cache(),
             draft_cache=self.drafter.make_cache(),
-            unseen=[context],
-            anchor=anchor,
-            start=len(request.prompt),
-            rng=rng,
+            unseen=[],
+            anchor=-1,
+            start=0,
+            rng=np.random.default_rng(seed),
             key=mx.random.key(seed),
         )
+        self._prefilling.append(slot)
+
+    def _prefill_chunk(self, slot: _Slot) -> None:
+        """The next chunk of a prompt, as :func:`~mlx_dspark.loop.prefill`
+        runs it; after the last one the request joins the batch."""
+        request = slot.request
+        begin = slot.prefilled
+        end = min(begin + self.config.prefill_step_size, len(request.prompt))
+        try:
+            tokens = mx.array([request.prompt[begin:end]])
+            logits, features = self.target(tokens, slot.cache)
+            mx.eval(logits, features)
+            slot.unseen.append(features)
+            slot.prefilled = end
+            if end < len(request.prompt):
+                return
+            logits = logits[0, -1]
+            anchor = first_token(logits, request.params, slot.rng)
+            logprobs = None
+            if request.logprobs:
+                logprobs = _token_logprobs(logits[None], [anchor])
+        except Exception as error:
+            logger.exception("prefill failed")
+            self._finish(slot, "error", f"prefill failed: {error}")
+            return
+        self._prefilling.remove(slot)
+        slot.anchor, slot.start = anchor, len(request.prompt)
         self.stats.prompt_tokens += len(request.prompt)
         self._active.append(slot)
         self._emit(slot, [anchor], logprobs)
 
     def _drop_cancelled(self) -> None:
-        for slot in list(self._active):
+        for slot in [*self._active, *self._prefilling]:
             if slot.handle.cancelled:
                 self._finish(slot, "cancelled")
 
@@ -499,8 +515,9 @@ class BatchEngine:
         if slot.done:
             return
         slot.done = True
-        if slot in self._active:
-            self._active.remove(slot)
+        for group in (self._active, self._prefilling):
+            if slot in group:
+                group.remove(slot)
         if reason == "cancelled":
             self.stats.cancelled += 1
         elif reason == "error":
