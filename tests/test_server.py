@@ -313,15 +313,23 @@ def test_sampled_requests_exact_in_mixed_batches(pair_factory):
     assert chi2(counts, exact, n) < chi2_critical(len(exact) - 1)
 
 
-def test_module_entry_point_help():
+@pytest.mark.parametrize(
+    "args, code, out",
+    [
+        (["--help"], 0, "--draft-model"),
+        (["--model", "x"], 1, "error: --model needs a DSpark --draft-model."),
+    ],
+)
+def test_module_entry_point(args, code, out):
     result = subprocess.run(
-        [sys.executable, "-m", "mlx_dspark.server", "--help"],
+        [sys.executable, "-m", "mlx_dspark.server", *args],
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert result.returncode == 0, result.stderr
-    assert "--draft-model" in result.stdout and "--port" in result.stdout
+    assert result.returncode == code, result.stderr
+    assert out in result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def run_engine(engine, prompts, max_tokens):

@@ -58,14 +58,27 @@ def _cli(
     allowed_origins: str = typer.Option(
         "*", "--allowed-origins", help="Comma-separated CORS origins ('*': any)."
     ),
+    dspark_profile: str = typer.Option(
+        "auto",
+        "--dspark-profile",
+        help="Cost profile the scheduler starts from: auto (the cached one, if "
+        "any), refresh (measure it now), none. The server refines it with "
+        "its own measured step times either way.",
+    ),
+    adapter_path: str | None = typer.Option(
+        None, "--adapter-path", help="LoRA/DoRA adapters for the target."
+    ),
     trust_remote_code: bool = typer.Option(
-        False, "--trust-remote-code", help="Trust the tokenizer's remote code."
+        False,
+        "--trust-remote-code",
+        help="Trust the tokenizer's remote code.",
+        metavar="",
     ),
     log_level: str = typer.Option("INFO", "--log-level", help="Python logging level."),
 ) -> None:
     """Serve /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics."""
     from ..loading import load
-    from ..profile import load_profile
+    from ..profile import get_profile, load_profile
     from ..serving import BatchEngine, EngineConfig, ServerSettings, make_server
 
     level = getattr(logging, log_level.upper(), None)
@@ -78,6 +91,10 @@ def _cli(
         raise DSparkError("--model needs a DSpark --draft-model.")
     if max_batch < 1:
         raise DSparkError(f"--decode-concurrency must be at least 1, got {max_batch}.")
+    if prefill_step_size < 1:
+        raise DSparkError(
+            f"--prefill-step-size must be at least 1, got {prefill_step_size}."
+        )
     if max_tokens < 1:
         raise DSparkError(f"--max-tokens must be at least 1, got {max_tokens}.")
     if not 0 < port < 65536:
@@ -89,8 +106,15 @@ def _cli(
             raise ValueError
     except ValueError:
         raise DSparkError("--chat-template-args must be a JSON object.") from None
+    if dspark_profile not in ("auto", "refresh", "none"):
+        raise DSparkError(
+            f"--dspark-profile must be auto, refresh or none, got {dspark_profile!r}."
+        )
     loaded, tokenizer, drafter = load(
-        model, draft_model, trust_remote_code=trust_remote_code
+        model,
+        draft_model,
+        adapter_path=adapter_path,
+        trust_remote_code=trust_remote_code,
     )
     if model is None:
         print(
@@ -107,6 +131,11 @@ def _cli(
     if context_length is None:
         args = getattr(loaded, "args", None)
         context_length = int(getattr(args, "max_position_embeddings", 0) or 4096)
+    prior = None
+    if dspark_profile == "auto":
+        prior = load_profile(loaded, drafter)
+    elif dspark_profile == "refresh":
+        prior = get_profile(loaded, drafter, "refresh")
     engine = BatchEngine(
         loaded,
         tokenizer,
@@ -115,7 +144,7 @@ def _cli(
             num_draft=dspark_n_draft,
             max_batch=max_batch,
             prefill_step_size=prefill_step_size,
-            prior=load_profile(loaded, drafter),
+            prior=prior,
         ),
     )
     settings = ServerSettings(

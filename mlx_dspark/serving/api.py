@@ -390,6 +390,14 @@ class APIHandler(BaseHTTPRequestHandler):
             self._send_json(404, error_body(f"Not found: {path}", kind="not_found"))
             return
         engine = self.server.engine
+        if not engine.alive:
+            self._send_json(
+                503,
+                error_body(
+                    "The generation engine is not running.", kind="server_error"
+                ),
+            )
+            return
         try:
             try:
                 body = json.loads(raw.decode())
