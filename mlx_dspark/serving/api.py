@@ -502,7 +502,7 @@ class APIHandler(BaseHTTPRequestHandler):
             piece = stop.push(new, final=event.finish_reason is not None)
             if stop.stopped:
                 finish = "stop"
-                handle.cancel()
+                handle.cancel("stop")
             elif event.finish_reason is not None:
                 finish = event.finish_reason
                 usage = event.usage

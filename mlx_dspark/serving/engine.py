@@ -72,10 +72,16 @@ class RequestHandle:
         self.request = request
         self.events: queue.Queue[Event] = queue.Queue()
         self._cancelled = threading.Event()
+        self.cancel_reason = "cancelled"
 
-    def cancel(self) -> None:
-        """Leave the batch at the next step; the engine frees the caches."""
-        self._cancelled.set()
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Leave the batch at the next step; the engine frees the caches.
+
+        ``reason`` "stop" (the caller found a stop string) counts the request
+        as finished, anything else as cancelled."""
+        if not self._cancelled.is_set():
+            self.cancel_reason = reason
+            self._cancelled.set()
 
     @property
     def cancelled(self) -> bool:
@@ -309,10 +315,14 @@ class BatchEngine:
             for handle in joining:
                 self._admit(handle)
             self._drop_cancelled()
-            # One prompt chunk between decode steps: a long prompt delays the
-            # running requests by a chunk at a time, not by its whole prefill.
-            if self._prefilling:
-                self._prefill_chunk(self._prefilling[0])
+            # About one prefill chunk of prompt tokens between decode steps: a
+            # long prompt delays the running requests a chunk at a time, not
+            # by its whole prefill, and short prompts join together.
+            budget = self.config.prefill_step_size
+            for slot in list(self._prefilling):
+                if budget <= 0:
+                    break
+                budget -= self._prefill_chunk(slot)
             if not self._active:
                 continue
             try:
@@ -353,9 +363,10 @@ class BatchEngine:
         )
         self._prefilling.append(slot)
 
-    def _prefill_chunk(self, slot: _Slot) -> None:
+    def _prefill_chunk(self, slot: _Slot) -> int:
         """The next chunk of a prompt, as :func:`~mlx_dspark.loop.prefill`
-        runs it; after the last one the request joins the batch."""
+        runs it; after the last one the request joins the batch. Returns the
+        chunk's length."""
         request = slot.request
         begin = slot.prefilled
         end = min(begin + self.config.prefill_step_size, len(request.prompt))
@@ -366,7 +377,7 @@ class BatchEngine:
             slot.unseen.append(features)
             slot.prefilled = end
             if end < len(request.prompt):
-                return
+                return end - begin
             logits = logits[0, -1]
             anchor = first_token(logits, request.params, slot.rng)
             logprobs = None
@@ -375,17 +386,18 @@ class BatchEngine:
         except Exception as error:
             logger.exception("prefill failed")
             self._finish(slot, "error", f"prefill failed: {error}")
-            return
+            return end - begin
         self._prefilling.remove(slot)
         slot.anchor, slot.start = anchor, len(request.prompt)
         self.stats.prompt_tokens += len(request.prompt)
         self._active.append(slot)
         self._emit(slot, [anchor], logprobs)
+        return end - begin
 
     def _drop_cancelled(self) -> None:
         for slot in [*self._active, *self._prefilling]:
             if slot.handle.cancelled:
-                self._finish(slot, "cancelled")
+                self._finish(slot, slot.handle.cancel_reason)
 
     def _cap(self, slot: _Slot, cap: int) -> int:
         return max(0, min(cap, slot.request.max_tokens - slot.produced - 1))
