@@ -312,6 +312,7 @@ def test_sampled_requests_exact_in_mixed_batches(pair_factory):
     finally:
         engine.stop()
     assert engine.stats.mean_batch > 4
+    assert len(engine.telemetry.length_counts) >= 2  # Algorithm 1 decided
     assert engine.stats.drafts_accepted > 0
     assert chi2(counts, exact, n) < chi2_critical(len(exact) - 1)
 
@@ -385,3 +386,24 @@ def test_plain_batches_memory_guard_chunked_prefill(pair, expected, mode):
         assert engine.telemetry.memory_pressure_level == 2
         assert max(engine.telemetry.length_counts) <= 2
         assert engine.stats.drafts_accepted > 0
+
+
+def test_step_cost_curve():
+    """The scheduler's cost curve: a prior profile scaled to the measured step
+    times, measured sizes taking over, and flat beyond the measurements."""
+    from mlx_dspark.scheduler import StepRateCurve
+    from mlx_dspark.serving.engine import StepCost
+
+    assert StepCost().curve().step_seconds(4) > StepCost().curve().step_seconds(1)
+    prior = StepRateCurve.linear(1.0, 0.5, b_max=8, draft_seconds=0.2)
+    cost = StepCost(prior)
+    assert cost.curve().step_seconds(3) == pytest.approx(2.5)
+    cost.record_verify(3, 0.25)  # ten times faster than the prior says
+    assert cost.curve().step_seconds(3) == pytest.approx(0.25)
+    assert cost.curve().step_seconds(5) == pytest.approx(0.35)
+    cost.record_draft(0.01)
+    assert cost.curve().draft_seconds == pytest.approx(0.3 * 0.01 + 0.7 * 0.2)
+    alone = StepCost()
+    alone.record_verify(2, 0.1)
+    alone.record_verify(6, 0.1)
+    assert alone.curve().step_seconds(20) == pytest.approx(0.1)
