@@ -227,6 +227,8 @@ class BatchEngine:
         self.drafter = drafter
         self.config = config or EngineConfig()
         self.target = TargetAdapter(model, drafter.config.target_layer_ids)
+        # Gemma-4 drafters run their own RoPE; they draft one request at a time.
+        self.batch_drafts = not drafter.config.is_gemma4
         self.eos = set(int(t) for t in getattr(tokenizer, "eos_token_ids", ()))
         settings = SchedulerSettings.from_env(base=self.config.settings)
         block = drafter.block_size
@@ -407,25 +409,11 @@ class BatchEngine:
         tic = time.perf_counter()
         cap = self.policy.round_cap(self.n_max) if self.n_max else 0
         caps = [self._cap(s, cap) for s in slots]
-        proposals, lazy = [], []
-        for slot, c in zip(slots, caps, strict=True):
-            if c == 0:
-                proposals.append(_empty_proposal())
-                continue
-            params = slot.request.params
-            slot.key, round_key = mx.random.split(slot.key)
-            anchor = mx.array([slot.anchor])
-            unseen = slot.unseen
-            context = unseen[0] if len(unseen) == 1 else mx.concatenate(unseen, 1)
-            hidden = self.drafter(
-                self.drafter.block_tokens(anchor), slot.start, context, slot.draft_cache
-            )
-            proposal = self.drafter.propose(
-                hidden, anchor, c, params, None if params.greedy else round_key
-            )
-            proposals.append(proposal)
+        proposals = self._draft(slots, caps)
+        lazy = []
+        for slot, proposal in zip(slots, proposals, strict=True):
             lazy += [proposal.tokens, proposal.confidence]
-            if not params.greedy:
+            if not slot.request.params.greedy:
                 lazy.append(proposal.logits)
         mx.eval([a for a in lazy if a is not None])
         drafted = time.perf_counter()
@@ -484,6 +472,70 @@ class BatchEngine:
             self.stats.drafts_verified += len(chain)
             self.stats.drafts_accepted += result.accepted
             self._emit(slot, tokens, logprobs)
+
+    def _draft(self, slots: list[_Slot], caps: list[int]) -> list[Proposal]:
+        """A proposal per request (empty where its cap is 0), lazily.
+
+        The backbone runs once for all drafting requests
+        (:meth:`DSparkDrafter.forward_batch`), and the greedy requests' chains
+        come from one batched :meth:`~DSparkDrafter.propose`; a sampled
+        request proposes alone, with its own parameters and random key.
+        """
+        drafter = self.drafter
+        proposals = [_empty_proposal() for _ in slots]
+        rows = [r for r, c in enumerate(caps) if c > 0]
+        if not rows:
+            return proposals
+        anchors = mx.array([slots[r].anchor for r in rows])
+        contexts = []
+        for r in rows:
+            unseen = slots[r].unseen
+            contexts.append(
+                unseen[0] if len(unseen) == 1 else mx.concatenate(unseen, 1)
+            )
+        if len(rows) > 1 and self.batch_drafts:
+            hidden = drafter.forward_batch(
+                drafter.block_tokens(anchors),
+                [slots[r].start for r in rows],
+                contexts,
+                [slots[r].draft_cache for r in rows],
+            )
+        else:
+            hidden = mx.concatenate(
+                [
+                    drafter(
+                        drafter.block_tokens(anchors[j : j + 1]),
+                        slots[r].start,
+                        contexts[j],
+                        slots[r].draft_cache,
+                    )
+                    for j, r in enumerate(rows)
+                ]
+            )
+        greedy = [j for j, r in enumerate(rows) if slots[r].request.params.greedy]
+        if greedy:
+            index = mx.array(greedy)
+            n = max(caps[rows[j]] for j in greedy)
+            chains = drafter.propose(
+                hidden[index], anchors[index], n, SamplingParams(), None
+            )
+            for i, j in enumerate(greedy):
+                c = caps[rows[j]]
+                confidence = chains.confidence
+                proposals[rows[j]] = Proposal(
+                    chains.tokens[i : i + 1, :c],
+                    chains.logits[i : i + 1, :c],
+                    None if confidence is None else confidence[i : i + 1, :c],
+                )
+        for j, r in enumerate(rows):
+            params = slots[r].request.params
+            if params.greedy:
+                continue
+            slots[r].key, key = mx.random.split(slots[r].key)
+            proposals[r] = drafter.propose(
+                hidden[j : j + 1], anchors[j : j + 1], caps[r], params, key
+            )
+        return proposals
 
     def _emit(self, slot: _Slot, tokens: list[int], logprobs: list[float] | None):
         """Send committed tokens, stopping at end of sequence or max_tokens."""
