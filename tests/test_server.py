@@ -463,3 +463,16 @@ def test_batched_drafting_every_head(pair_factory, head):
         engine.stop()
     assert got == want
     assert engine.stats.mean_batch > 2
+
+
+def test_monotone_cost():
+    from mlx_dspark.serving.engine import StepCost, monotone
+
+    assert monotone([1.0, 3.0, 2.0, 4.0], [1, 1, 1, 1]) == [1.0, 2.5, 2.5, 4.0]
+    assert monotone([1.0, 3.0, 2.0], [1, 1, 3]) == [1.0, 2.25, 2.25]
+    cost = StepCost()
+    for size, seconds in ((2, 0.2), (4, 0.5), (6, 0.3), (8, 0.6)):
+        cost.record_verify(size, seconds)
+    curve = cost.curve()
+    times = [curve.step_seconds(b) for b in range(1, 12)]
+    assert times == sorted(times)  # noise never makes a larger forward cheaper

@@ -136,6 +136,19 @@ class EngineStats:
         )
 
 
+def monotone(values: list[float], weights: list[float]) -> list[float]:
+    """The non-decreasing sequence closest to ``values`` in weighted least
+    squares (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, weight, count]
+    for value, weight in zip(values, weights, strict=True):
+        blocks.append([value, weight, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            v2, w2, n2 = blocks.pop()
+            v1, w1, n1 = blocks.pop()
+            blocks.append([(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+    return [v for v, _, n in blocks for _ in range(n)]
+
+
 class StepCost:
     """Measured cost of a batched step, as the curve Algorithm 1 reads.
 
@@ -143,13 +156,17 @@ class StepCost:
     average per size); sizes not measured yet come from ``prior`` (a cached
     profile) scaled to the measurements, and without a prior the measured
     points alone (held flat beyond them, so larger batches get tried and
-    measured). ``draft_seconds`` is the measured drafting time of a step.
+    measured). A larger forward never costs less, so the curve is the closest
+    non-decreasing one (weighted by how often each size was measured): noise
+    must not make extra drafts look free. ``draft_seconds`` is the measured
+    drafting time of a step.
     """
 
     def __init__(self, prior: StepRateCurve | None = None, alpha: float = 0.3):
         self.prior = prior
         self.alpha = alpha
         self.seconds: dict[int, float] = {}
+        self.counts: dict[int, int] = {}
         self.draft_seconds = 0.0 if prior is None else prior.draft_seconds
 
     def _average(self, old: float | None, new: float) -> float:
@@ -157,12 +174,14 @@ class StepCost:
 
     def record_verify(self, tokens: int, seconds: float) -> None:
         self.seconds[tokens] = self._average(self.seconds.get(tokens), seconds)
+        self.counts[tokens] = self.counts.get(tokens, 0) + 1
 
     def record_draft(self, seconds: float) -> None:
         self.draft_seconds = self._average(self.draft_seconds or None, seconds)
 
     def curve(self) -> StepRateCurve:
         points = dict(self.seconds)
+        weights = {b: float(min(n, 1 / self.alpha)) for b, n in self.counts.items()}
         if self.prior is not None:
             sizes = self.prior.batch_sizes
             common = [b for b in sizes if b in points]
@@ -172,10 +191,15 @@ class StepCost:
                     np.median([points[b] * self.prior.sps(b) for b in common])
                 )
             for b in sizes:
-                points.setdefault(b, scale / self.prior.sps(b))
+                if b not in points:
+                    points[b], weights[b] = scale / self.prior.sps(b), 1.0
         if not points:
             return StepRateCurve.linear(1.0, 0.05, draft_seconds=self.draft_seconds)
-        return StepRateCurve.from_measurements(points, self.draft_seconds)
+        sizes = sorted(points)
+        seconds = monotone([points[b] for b in sizes], [weights[b] for b in sizes])
+        return StepRateCurve.from_measurements(
+            dict(zip(sizes, seconds, strict=True)), self.draft_seconds
+        )
 
 
 @dataclass
@@ -183,12 +207,16 @@ class EngineConfig:
     """``num_draft``: drafts per request per step at most (None: the drafter's
     block size; 0: plain batched decoding, no drafter). ``max_batch``: requests
     decoded together; more wait. ``settings``: scheduler and memory-guard knobs
-    (DSPARK_* variables override them)."""
+    (DSPARK_* variables override them); no floor on verified drafts by
+    default (``n_draft_min=0``), so Algorithm 1 alone decides, and critical
+    memory pressure drops to plain decoding."""
 
     num_draft: int | None = None
     max_batch: int = 8
     prefill_step_size: int = 512
-    settings: SchedulerSettings = field(default_factory=SchedulerSettings)
+    settings: SchedulerSettings = field(
+        default_factory=lambda: SchedulerSettings(n_draft_min=0)
+    )
     prior: StepRateCurve | None = None
 
 
