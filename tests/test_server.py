@@ -476,3 +476,27 @@ def test_monotone_cost():
     curve = cost.curve()
     times = [curve.step_seconds(b) for b in range(1, 12)]
     assert times == sorted(times)  # noise never makes a larger forward cheaper
+
+
+def test_draft_gate():
+    """Steps draft only when drafting is measured to pay, and probe again."""
+    from mlx_dspark.serving.engine import DraftGate, StepCost
+
+    cost = StepCost()
+    gate = DraftGate(probe_every=3)
+    assert gate.should_draft(4, cost)  # nothing measured yet
+    cost.record_verify(20, 1.0)
+    cost.record_draft(0.5)
+    gate.record(4, accepted=1, verified=16, drafted=True)
+    assert not gate.should_draft(4, cost)  # a plain step of 4 is not timed yet
+    cost.record_verify(4, 0.5)
+    gate.record(4, 0, 0, drafted=False)
+    # Drafting: 4 * 1.25 tokens in 1.5 s; plain: 4 tokens in 0.5 s.
+    assert not gate.should_draft(4, cost)
+    gate.record(4, 0, 0, drafted=False)
+    gate.record(4, 0, 0, drafted=False)
+    assert gate.should_draft(4, cost)  # probe after probe_every plain steps
+    gate.record(4, accepted=24, verified=24, drafted=True)
+    gate.record(4, accepted=28, verified=28, drafted=True)
+    # The acceptance estimate climbs past what drafting costs.
+    assert gate.should_draft(4, cost)

@@ -33,6 +33,13 @@ def _cli(
         help="Drafts per request per step at most (default: the drafter's block "
         "size); 0 serves plain batched decoding.",
     ),
+    dspark_adaptive: bool = typer.Option(
+        True,
+        "--dspark-adaptive/--no-dspark-adaptive",
+        help="Skip drafting in steps where the measured costs and acceptance "
+        "say it does not pay (drafting is re-tried every few steps).",
+        metavar="",
+    ),
     max_batch: int = typer.Option(
         8, "--decode-concurrency", help="Requests decoded together; more wait."
     ),
@@ -142,6 +149,7 @@ def _cli(
         drafter,
         EngineConfig(
             num_draft=dspark_n_draft,
+            adaptive=dspark_adaptive,
             max_batch=max_batch,
             prefill_step_size=prefill_step_size,
             prior=prior,

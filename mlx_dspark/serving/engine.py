@@ -203,13 +203,64 @@ class StepCost:
 
 
 @dataclass
+class DraftGate:
+    """Whether a step drafts at all, from what past steps measured.
+
+    A step that drafts commits about ``R (1 + accepted)`` tokens in ``draft +
+    t(R (1 + verified))`` seconds, a plain step ``R`` tokens in ``t(R)``
+    (``accepted`` and ``verified``: moving averages of drafts per request in
+    drafting steps, ``t`` the measured step cost). The step drafts when that
+    is faster; when it has not drafted for ``probe_every`` steps it drafts
+    anyway, to keep the estimates current, and a batch size whose plain step
+    was never timed gets one plain step. Decided before drafting, from past
+    steps only, so it never biases what is committed.
+    """
+
+    probe_every: int = 16
+    alpha: float = 0.2
+    accepted: float | None = None
+    verified: float | None = None
+    plain_steps: int = 0
+
+    def should_draft(self, requests: int, cost: StepCost) -> bool:
+        if self.accepted is None or self.plain_steps >= self.probe_every:
+            return True
+        if requests not in cost.counts:
+            return False  # time a plain step of this size once
+        curve = cost.curve()
+        plain = requests / curve.step_seconds(requests)
+        tokens = requests * (1 + self.verified)
+        draft = (
+            requests
+            * (1 + self.accepted)
+            / (cost.draft_seconds + curve.step_seconds(tokens))
+        )
+        return draft > plain
+
+    def record(
+        self, requests: int, accepted: int, verified: int, drafted: bool
+    ) -> None:
+        if not drafted:
+            self.plain_steps += 1
+            return
+        self.plain_steps = 0
+        a, v = accepted / requests, verified / requests
+        if self.accepted is None:
+            self.accepted, self.verified = a, v
+        else:
+            self.accepted += self.alpha * (a - self.accepted)
+            self.verified += self.alpha * (v - self.verified)
+
+
+@dataclass
 class EngineConfig:
     """``num_draft``: drafts per request per step at most (None: the drafter's
     block size; 0: plain batched decoding, no drafter). ``max_batch``: requests
     decoded together; more wait. ``settings``: scheduler and memory-guard knobs
     (DSPARK_* variables override them); no floor on verified drafts by
     default (``n_draft_min=0``), so Algorithm 1 alone decides, and critical
-    memory pressure drops to plain decoding."""
+    memory pressure drops to plain decoding. ``adaptive``: skip drafting
+    in steps where it does not pay (:class:`DraftGate`)."""
 
     num_draft: int | None = None
     max_batch: int = 8
@@ -217,6 +268,7 @@ class EngineConfig:
     settings: SchedulerSettings = field(
         default_factory=lambda: SchedulerSettings(n_draft_min=0)
     )
+    adaptive: bool = True
     prior: StepRateCurve | None = None
 
 
@@ -269,6 +321,7 @@ class BatchEngine:
         if self.n_max > 0:
             guard = MemoryGuard.from_settings(settings, self.n_max, memory_source)
         self.cost = StepCost(self.config.prior)
+        self.gate = DraftGate() if self.config.adaptive else None
         self.policy = SchedulerPolicy(
             None if found is None else list(found[0].temperatures),
             telemetry_for(found),
@@ -437,6 +490,13 @@ class BatchEngine:
         tic = time.perf_counter()
         cap = self.policy.round_cap(self.n_max) if self.n_max else 0
         caps = [self._cap(s, cap) for s in slots]
+        gate = self.gate
+        if (
+            any(caps)
+            and gate is not None
+            and not gate.should_draft(len(slots), self.cost)
+        ):
+            caps = [0] * len(slots)
         proposals = self._draft(slots, caps)
         lazy = []
         for slot, proposal in zip(slots, proposals, strict=True):
@@ -464,6 +524,7 @@ class BatchEngine:
         self.stats.target_forwards += 1
         self.stats.request_rounds += len(slots)
         self.stats.max_batch = max(self.stats.max_batch, len(slots))
+        accepted_now = 0
         for slot, c, proposal, chain, (logits, features) in zip(
             slots, caps, proposals, drafts, outputs, strict=True
         ):
@@ -499,7 +560,11 @@ class BatchEngine:
             self.policy.observe(proposal, round_stats)
             self.stats.drafts_verified += len(chain)
             self.stats.drafts_accepted += result.accepted
+            accepted_now += result.accepted
             self._emit(slot, tokens, logprobs)
+        if gate is not None and self.n_max:
+            verified_now = sum(len(d) for d in drafts)
+            gate.record(len(slots), accepted_now, verified_now, any(caps))
 
     def _draft(self, slots: list[_Slot], caps: list[int]) -> list[Proposal]:
         """A proposal per request (empty where its cap is 0), lazily.
