@@ -102,6 +102,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2, help="Per client.")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument(
+        "--always-draft",
+        action="store_true",
+        help="DSpark mode drafts every step (no adaptive gate).",
+    )
+    parser.add_argument(
         "--mlx-lm-url", help="An mlx_lm.server to compare, e.g. http://127.0.0.1:8081"
     )
     args = parser.parse_args()
@@ -134,7 +139,10 @@ def main() -> None:
                 tokenizer,
                 drafter,
                 EngineConfig(
-                    num_draft=num_draft, max_batch=max(args.clients), prior=prior
+                    num_draft=num_draft,
+                    max_batch=max(args.clients),
+                    prior=prior,
+                    adaptive=not args.always_draft,
                 ),
             )
             server = make_server(engine, tokenizer, ServerSettings(), port=0)

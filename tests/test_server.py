@@ -54,7 +54,9 @@ def expected(pair):
 @pytest.fixture(scope="module")
 def server(pair, expected):
     model, tokenizer, drafter, *_ = pair
-    engine = BatchEngine(model, tokenizer, drafter, EngineConfig(max_batch=8))
+    # Always draft (no adaptive gate): these tests are about the speculative path.
+    config = EngineConfig(max_batch=8, adaptive=False)
+    engine = BatchEngine(model, tokenizer, drafter, config)
     settings = ServerSettings(model_name="tiny", context_length=CONTEXT)
     httpd = make_server(engine, tokenizer, settings, port=0)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
@@ -288,7 +290,8 @@ def test_sampled_requests_exact_in_mixed_batches(pair_factory):
     params = SamplingParams(temperature=1.0, top_k=3)
     prompt, depth, n = [1, 2, 3], 2, 600
     exact = exact_joint(model, prompt, params, depth)
-    engine = BatchEngine(model, tokenizer, drafter, EngineConfig(max_batch=8))
+    config = EngineConfig(max_batch=8, adaptive=False)
+    engine = BatchEngine(model, tokenizer, drafter, config)
     try:
         handles = []
         for seed in range(n):
@@ -365,7 +368,9 @@ def test_plain_batches_memory_guard_chunked_prefill(pair, expected, mode):
     from mlx_dspark.scheduler import SchedulerSettings
 
     model, tokenizer, drafter, *_ = pair
-    config = EngineConfig(num_draft=0) if mode == "plain" else EngineConfig()
+    config = EngineConfig(adaptive=mode == "chunked-prefill")
+    if mode == "plain":
+        config.num_draft = 0
     if mode == "chunked-prefill":
         config.prefill_step_size = 2
     source = None
@@ -444,7 +449,7 @@ def test_batched_drafting_every_head(pair_factory, head):
         for p in prompts
     ]
     want = [w[:-1] if w[-1] in tokenizer.eos_token_ids else w for w in want]
-    engine = BatchEngine(model, tokenizer, drafter)
+    engine = BatchEngine(model, tokenizer, drafter, EngineConfig(adaptive=False))
     for p in prompts:  # more requests in the same batches
         engine.submit(GenerationRequest(p, max_tokens=24))
     handles = [engine.submit(GenerationRequest(p, max_tokens=24)) for p in prompts]
