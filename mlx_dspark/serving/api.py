@@ -430,6 +430,10 @@ class APIHandler(BaseHTTPRequestHandler):
             try:
                 event = handle.events.get(timeout=0.05)
             except queue.Empty:
+                if not self.server.engine.alive:
+                    event = Event([], finish_reason="error", error="engine stopped")
+                    yield event
+                    return
                 if _client_gone(self.connection):
                     handle.cancel()
                     raise ConnectionResetError("client disconnected") from None

@@ -395,24 +395,11 @@ class BatchEngine:
                     self._waiting.popleft() for _ in range(room) if self._waiting
                 ]
                 self.stats.waiting = len(self._waiting)
-            for handle in joining:
-                self._admit(handle)
-            self._drop_cancelled()
-            # About one prefill chunk of prompt tokens between decode steps: a
-            # long prompt delays the running requests a chunk at a time, not
-            # by its whole prefill, and short prompts join together.
-            budget = self.config.prefill_step_size
-            for slot in list(self._prefilling):
-                if budget <= 0:
-                    break
-                budget -= self._prefill_chunk(slot)
-            if not self._active:
-                continue
             try:
-                self._step()
+                self._iteration(joining)
             except Exception as error:  # never take the server down
                 logger.exception("batched step failed")
-                for slot in list(self._active):
+                for slot in [*self._active, *self._prefilling]:
                     self._finish(slot, "error", f"generation failed: {error}")
             self.stats.active = len(self._active)
         for slot in [*self._active, *self._prefilling]:
@@ -427,6 +414,21 @@ class BatchEngine:
         if clear is not None:
             clear()
 
+    def _iteration(self, joining: list[RequestHandle]) -> None:
+        for handle in joining:
+            self._admit(handle)
+        self._drop_cancelled()
+        # About one prefill chunk of prompt tokens between decode steps: a
+        # long prompt delays the running requests a chunk at a time, not by
+        # its whole prefill, and short prompts join together.
+        budget = self.config.prefill_step_size
+        for slot in list(self._prefilling):
+            if budget <= 0:
+                break
+            budget -= self._prefill_chunk(slot)
+        if self._active:
+            self._step()
+
     def _admit(self, handle: RequestHandle) -> None:
         if handle.cancelled:
             self.stats.cancelled += 1
@@ -434,16 +436,24 @@ class BatchEngine:
             return
         request = handle.request
         seed = secrets.randbits(63) if request.seed is None else request.seed
-        slot = _Slot(
-            handle=handle,
-            cache=self.target.make_cache(),
-            draft_cache=self.drafter.make_cache(),
-            unseen=[],
-            anchor=-1,
-            start=0,
-            rng=np.random.default_rng(seed),
-            key=mx.random.key(seed),
-        )
+        try:
+            slot = _Slot(
+                handle=handle,
+                cache=self.target.make_cache(),
+                draft_cache=self.drafter.make_cache(),
+                unseen=[],
+                anchor=-1,
+                start=0,
+                rng=np.random.default_rng(seed),
+                key=mx.random.key(seed),
+            )
+        except Exception as error:
+            logger.exception("admission failed")
+            self.stats.failed += 1
+            handle.events.put(
+                Event([], finish_reason="error", error=f"admission failed: {error}")
+            )
+            return
         self._prefilling.append(slot)
 
     def _prefill_chunk(self, slot: _Slot) -> int:
