@@ -158,8 +158,9 @@ def test_chat_streaming_and_stop(pair, expected, server):
     cut = want[: want.index(stop)]
     cancelled = server.engine.stats.cancelled
     for stream in (False, True):
-        text, finish, _, _ = completion(server, prompt, 48, stream, stop=[stop])
+        text, finish, usage, _ = completion(server, prompt, 48, stream, stop=[stop])
         assert (text, finish) == (cut, "stop")
+        assert usage["completion_tokens"] < 48 and usage["dspark"]["rounds"] > 0
     assert wait_for(lambda: server.engine.stats.active == 0)
     assert server.engine.stats.cancelled == cancelled  # a stop is a finish
     body = {

@@ -491,7 +491,8 @@ class APIHandler(BaseHTTPRequestHandler):
 
         text, tokens, logprobs = "", [], []
         finish, usage = None, None
-        for event in self._events(handle):
+        events = self._events(handle)
+        for event in events:
             event: Event
             new = ""
             for token in event.tokens:
@@ -504,12 +505,11 @@ class APIHandler(BaseHTTPRequestHandler):
             if event.logprobs is not None:
                 logprobs += event.logprobs
             piece = stop.push(new, final=event.finish_reason is not None)
+            if event.finish_reason is not None:
+                finish, usage = event.finish_reason, event.usage
             if stop.stopped:
                 finish = "stop"
                 handle.cancel("stop")
-            elif event.finish_reason is not None:
-                finish = event.finish_reason
-                usage = event.usage
             if parsed.stream and piece:
                 lps = event.logprobs if parsed.request.logprobs else None
                 if lps is not None and len(lps) != len(event.tokens):
@@ -518,13 +518,15 @@ class APIHandler(BaseHTTPRequestHandler):
             text += piece
             if stop.stopped:
                 break
-        if finish == "stop" and usage is None:
-            # Cut by a stop string: what was sent so far.
-            usage = {
-                "prompt_tokens": len(parsed.request.prompt),
-                "completion_tokens": len(tokens),
-                "total_tokens": len(parsed.request.prompt) + len(tokens),
-            }
+        if stop.stopped:
+            # Cut by a stop string: the engine's statistics (it leaves at its
+            # next step), the tokens up to the stop.
+            for event in events:
+                usage = event.usage
+            usage = dict(usage or {})
+            usage["prompt_tokens"] = len(parsed.request.prompt)
+            usage["completion_tokens"] = len(tokens)
+            usage["total_tokens"] = len(parsed.request.prompt) + len(tokens)
         if finish == "error":
             message = "generation failed"
             if parsed.stream:
