@@ -327,7 +327,6 @@ def test_sampled_requests_exact_in_mixed_batches(pair_factory):
     [
         (["--help"], 0, "--draft-model"),
         (["--model", "x"], 1, "error: --model needs a DSpark --draft-model."),
-        (["--port", "x"], 1, "error: Invalid value for '--port'"),
     ],
 )
 def test_module_entry_point(args, code, out):
