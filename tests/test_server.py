@@ -175,6 +175,8 @@ def test_chat_streaming_and_stop(pair, expected, server):
     assert data["object"] == "chat.completion"
     assert data["choices"][0]["message"]["role"] == "assistant"
     assert data["usage"]["completion_tokens"] <= 12
+    xtc = {"prompt": "t3", "temperature": 1.0, "xtc_probability": 0.5, "seed": 1}
+    assert post(server, "/v1/completions", {**xtc, "max_tokens": 6})[0] == 200
     status, text = post(server, "/v1/chat/completions", {**body, "stream": True})
     assert status == 200
     chunks = events(text)
@@ -229,6 +231,9 @@ def test_disconnect_frees_the_slot(server):
         {"prompt": "t1", "stop": 5},
         {"prompt": "t1", "seed": "x"},
         {"prompt": "t1", "n": 2},
+        {"prompt": "t1", "xtc_probability": 2.0},
+        {"prompt": "t1", "repetition_penalty": 1.3},
+        {"prompt": "t1", "logit_bias": {"3": 5}},
         {"prompt": 12},
         {"prompt": ""},
         {"prompt": [1, 2, 999]},

@@ -30,6 +30,14 @@ from .engine import BatchEngine, Event, GenerationRequest, RequestHandle
 logger = logging.getLogger("mlx_dspark.server")
 
 
+UNSUPPORTED = (
+    "logit_bias",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
 class BadRequest(Exception):
     """Invalid client input: becomes an OpenAI-style error with status 400."""
 
@@ -204,6 +212,14 @@ def parse_request(
     top_k = _integer(body, "top_k", settings.top_k, 0)
     min_p = _number(body, "min_p", settings.min_p, 0.0, 1.0)
     seed = _integer(body, "seed", None)
+    xtc_probability = _number(body, "xtc_probability", 0.0, 0.0, 1.0)
+    xtc_threshold = _number(body, "xtc_threshold", 0.1, 0.0, 0.5)
+    # Logit processors the lossless verification does not apply: refused
+    # rather than silently ignored.
+    for name in UNSUPPORTED:
+        value = body.get(name)
+        if value not in (None, 0, 0.0, 1.0 if name == "repetition_penalty" else 0, {}):
+            raise BadRequest(f"{name} is not supported by this server.", name)
     if _integer(body, "n", 1) != 1:
         raise BadRequest("Only n = 1 completion per request is supported.", "n")
     logprobs = body.get("logprobs", False)
@@ -242,8 +258,17 @@ def parse_request(
             "messages" if chat else "prompt",
         )
     max_tokens = min(max_tokens, settings.context_length - len(prompt))
+    special = tuple(tokenizer.encode("\n")) + tuple(tokenizer.eos_token_ids)
     try:
-        params = SamplingParams(temperature, top_p, top_k, min_p)
+        params = SamplingParams(
+            temperature,
+            top_p,
+            top_k,
+            min_p,
+            xtc_probability=xtc_probability,
+            xtc_threshold=xtc_threshold,
+            xtc_special_tokens=tuple(int(t) for t in special),
+        )
     except DSparkError as error:
         raise BadRequest(str(error)) from None
     request = GenerationRequest(prompt, params, max_tokens, seed, logprobs)
