@@ -196,7 +196,7 @@ def wait_for(condition, seconds=20.0):
 def test_disconnect_frees_the_slot(server):
     engine = server.engine
     assert wait_for(lambda: engine.stats.active == 0)
-    cancelled = engine.stats.cancelled
+    cancelled, before = engine.stats.cancelled, engine.stats.generated_tokens
     sock = socket.create_connection(("127.0.0.1", server.server_address[1]))
     body = json.dumps(
         {"prompt": PROMPTS[1], "max_tokens": CONTEXT - 3, "stream": True}
@@ -210,7 +210,10 @@ def test_disconnect_frees_the_slot(server):
     sock.close()
     assert wait_for(lambda: engine.stats.cancelled == cancelled + 1)
     assert engine.stats.active == 0
-    assert all(not s.cache for s in engine._active)
+    generated = engine.stats.generated_tokens
+    time.sleep(0.2)
+    assert engine.stats.generated_tokens == generated  # nothing decodes for it
+    assert generated - before < CONTEXT - 3  # it left before max_tokens
     # Still serving.
     text, finish, usage, _ = completion(server, PROMPTS[3], 5, stream=False)
     assert usage["completion_tokens"] == 5 and finish == "length"
