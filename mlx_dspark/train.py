@@ -349,6 +349,9 @@ def _teacher(args, target, target_path, sequences, data_hashes, draft_ids):
     return store
 
 
+SHAPE_STEP = 64  # batches are padded to a multiple: few shapes to compile
+
+
 def _batches(
     args: TrainArgs,
     sequences: list,
@@ -365,10 +368,12 @@ def _batches(
         chunk = order[position * args.batch_size : (position + 1) * args.batch_size]
         indices = [int(i) for i in chunk]
         rng = np.random.default_rng([args.seed, 1, step])
+        longest = max(len(sequences[i]) for i in indices)
         batch = make_batch(
             [sequences[i] for i in indices], args.anchors, args.block_size,
             mask_token_id, args.gamma, rng,
             None if vocab is None else vocab.target_to_draft,
+            length=-(-longest // SHAPE_STEP) * SHAPE_STEP,
         )  # fmt: skip
         return indices, batch
 
