@@ -17,6 +17,7 @@ from test_gemma4 import VOCAB, WINDOW, plain_greedy, text_config, tiny_gemma4
 
 from mlx_dspark import load, stream_generate
 from mlx_dspark.loading import load_drafter
+from mlx_dspark.loop import GenerationStats, speculative_generate_step
 from mlx_dspark.sampling import SamplingParams
 from mlx_dspark.structured import PairSpec, _tokenizer_files
 from mlx_dspark.target import TargetAdapter
@@ -49,10 +50,13 @@ TARGETS = {
     "gemma4": ({}, True),
     "k_eq_v": ({"attention_k_eq_v": True, "num_global_key_value_heads": 2}, False),
 }
+K_EQ_V = TARGETS["k_eq_v"][0]
+# Only trained on, not in the forward-parity matrix.
+TRAINED = {**TARGETS, "gemma4_k_eq_v": (K_EQ_V, True)}
 
 
 def target_config(name: str) -> dict:
-    overrides, wrapper = TARGETS[name]
+    overrides, wrapper = TRAINED[name]
     text = text_config(**overrides)
     if wrapper:
         return {"model_type": "gemma4", "text_config": text, "vocab_size": VOCAB}
@@ -60,7 +64,7 @@ def target_config(name: str) -> dict:
 
 
 def tiny_target(name: str, seed: int = 0):
-    overrides, wrapper = TARGETS[name]
+    overrides, wrapper = TRAINED[name]
     return tiny_gemma4(seed=seed, wrapper=wrapper, **overrides)
 
 
@@ -216,10 +220,7 @@ def setup(tmp_path_factory):
     windows long)."""
     root = tmp_path_factory.mktemp("gemma_train")
     model = save_target(root / "target", "gemma4_text", seed=0)
-    save_target(root / "wrapped", "k_eq_v", seed=0)
-    config = json.loads((root / "wrapped" / "config.json").read_text())
-    config = {"model_type": "gemma4", "text_config": config, "vocab_size": VOCAB}
-    (root / "wrapped" / "config.json").write_text(json.dumps(config))
+    save_target(root / "wrapped", "gemma4_k_eq_v", seed=0)
     rng = np.random.default_rng(0)
     lines = []
     for i in range(24):
@@ -275,12 +276,27 @@ def assert_lossless(target_dir, drafter_dir):
     return model, drafter
 
 
+def mean_accepted_length(model, drafter) -> float:
+    target = TargetAdapter(model, drafter.config.target_layer_ids)
+    rounds = []
+    for prompt in [*PROMPTS, [4, 4, 8], [0, 13, 2]]:
+        stats = GenerationStats()
+        for _ in speculative_generate_step(
+            mx.array(prompt), target, drafter, num_draft=drafter.block_size,
+            max_tokens=40, stats=stats,
+        ):  # fmt: skip
+            pass
+        rounds.extend(stats.rounds)
+    return float(np.mean([r.accepted + 1 for r in rounds]))
+
+
 def test_training_learns_and_writes_a_lossless_gemma4_drafter(setup):
     root, model, _ = setup
-    result = train(base_args(setup, "vanilla"))
+    result = train(base_args(setup, "vanilla", log_every=1))
     assert result.status == "done"
-    first, last = result.history[0], result.history[-1]
-    assert last[1] < 0.8 * first[1], (first, last)  # total loss falls
+    # Per-step losses are noisy (4 sequences a step): compare a few.
+    tv = [row[3] for row in result.history]
+    assert np.mean(tv[-5:]) < 0.9 * np.mean(tv[:5]), tv
     config = json.loads((result.out / "config.json").read_text())
     assert config["architectures"] == ["Gemma4DSparkModel"]
     assert config["target_layer_ids"] == TAPS
@@ -289,6 +305,12 @@ def test_training_learns_and_writes_a_lossless_gemma4_drafter(setup):
     assert mx.array_equal(weights["layers.0.layer_scalar"], mx.ones((1,))).item()
     loaded, drafter = assert_lossless(root / "target", result.out)
     assert drafter.shares_embeddings
+    untrained = new_drafter(
+        drafter.config, TargetAdapter(loaded, drafter.config.target_layer_ids), 0
+    )
+    before = mean_accepted_length(loaded, untrained)
+    after = mean_accepted_length(loaded, drafter)
+    assert after > before + 0.8, (before, after)
     # The loaded drafter is the trained one: same hidden states as a drafter
     # built on the target and given the written weights.
     again = load_drafter(result.out, loaded)
