@@ -343,3 +343,30 @@ def test_wrapper_target_with_every_option(setup):
     assert "layers.0.self_attn.v_proj.weight" not in weights
     _, drafter = assert_lossless(root / "wrapped", result.out)
     assert drafter.shares_embeddings and drafter.config.reduced_vocab
+
+
+def test_resume_equals_uninterrupted_and_written_embeddings_are_the_targets(setup):
+    """An interrupted Gemma-4 run resumes to the uninterrupted weights (the
+    frozen layer scalars included); the embedding and LM head written with
+    ``--with-embeddings`` are the wrapper's text model's, so the loader
+    shares them with the target."""
+    root, _, _ = setup
+    args = base_args(
+        setup, "g-whole", model=str(root / "wrapped"), steps=6, checkpoint_every=2,
+        keep_checkpoint=True, with_embeddings=True,
+    )  # fmt: skip
+    whole = train(args)
+    parts = replace(args, out=str(root / "g-parts"))
+    stopped = train(parts, should_stop=lambda step: step == 3)
+    assert stopped.status == "interrupted"
+    resumed = train(replace(parts, resume=True))
+    assert resumed.status == "done" and resumed.history == whole.history
+    a = mx.load(str(whole.checkpoint / "drafter.safetensors"))
+    b = mx.load(str(resumed.checkpoint / "drafter.safetensors"))
+    assert a.keys() == b.keys() and "layers.0.layer_scalar" in a
+    assert all(mx.array_equal(a[k], b[k]).item() for k in a)
+    model, _, drafter = load(root / "wrapped", whole.out)
+    weights = mx.load(str(whole.out / "model.safetensors"))
+    head = model.language_model.lm_head.weight
+    assert mx.array_equal(weights["lm_head.weight"], head).item()
+    assert drafter.shares_embeddings
