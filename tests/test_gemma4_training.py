@@ -370,3 +370,34 @@ def test_resume_equals_uninterrupted_and_written_embeddings_are_the_targets(setu
     head = model.language_model.lm_head.weight
     assert mx.array_equal(weights["lm_head.weight"], head).item()
     assert drafter.shares_embeddings
+
+
+def test_regenerate_then_train_on_a_gemma4_target(setup):
+    """``--regenerate`` on the wrapper: mlx-lm's batched generation over
+    prompts longer than the window gives the target's greedy answers (at
+    temperature 0), and the drafter trains on them."""
+    root, _, _ = setup
+    prompts = root / "prompts.jsonl"
+    words = [
+        " ".join(f"t{(i * j + 1) % 13}" for j in range(2 + 2 * i)) for i in range(6)
+    ]
+    prompts.write_text("\n".join(json.dumps({"prompt": w}) for w in words) + "\n")
+    args = base_args(
+        setup, "g-regen", model=str(root / "wrapped"), data=[str(prompts)], steps=3,
+        regenerate=True, regen_max_tokens=16, regen_batch_size=3,
+        regen_temperature=0.0,
+    )  # fmt: skip
+    result = train(args)
+    assert result.status == "done"
+    model, tokenizer, drafter = load(root / "wrapped", result.out)
+    assert drafter.config.is_gemma4
+    lines = (root / "g-regen.regenerated.jsonl").read_text().splitlines()
+    assert len(lines) == 6
+    for line in lines:
+        record = json.loads(line)
+        start, tokens = record["loss_start"], record["tokens"]
+        expected = plain_greedy(model, tokens[:start], 16)
+        eos = tokenizer.eos_token_id
+        if eos in expected:
+            expected = expected[: expected.index(eos) + 1]
+        assert tokens[start:] == expected
