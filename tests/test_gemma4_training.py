@@ -6,6 +6,7 @@ import json
 from dataclasses import replace
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from conftest import HEADS, head_id
@@ -14,6 +15,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 from test_drafter import randomize
 from test_gemma4 import VOCAB, WINDOW, plain_greedy, text_config, tiny_gemma4
+from test_train import _reference_hidden as reference_hidden
 
 from mlx_dspark import load, stream_generate
 from mlx_dspark.loading import load_drafter
@@ -141,6 +143,42 @@ def test_training_forward_equals_inference_forward(name, head):
             assert mx.allclose(logits, want, atol=1e-4).item(), (n, anchor)
             # Soft-capped: the target's cap bounds the base logits.
             assert mx.abs(drafter.logits(got)).max().item() <= 4.0 + 1e-5
+
+
+@pytest.mark.parametrize("name", ["gemma4_text", "k_eq_v"])
+def test_shared_context_gradients_equal_the_straightforward_ones(name):
+    """The Gemma-4 training forward (context K/V shared through the mask)
+    gives the values and gradients of per-block copies of the context run
+    through the inference layers; the frozen layer scalars get none."""
+    _, target, drafter = gemma_drafter(name, "rnn")
+    randomize(drafter, np.random.default_rng(2))
+    tokens = mx.array([[3, 5, 7, 9, 11, 13, 2, 4, 6, 8, 10, 12], [1] * 12])
+    _, features = target.hidden(tokens, target.make_cache())
+    anchors = mx.array([[0, 1, 4, 10], [2, 3, 5, 6]])
+    blocks = mx.stack(
+        [drafter.block_tokens(mx.take(tokens[n], anchors[n])) for n in range(2)]
+    )
+    weights = mx.random.normal((8, 5, 32), key=mx.random.key(0))
+
+    def objective(forward):
+        def f(model, feats):
+            return (forward(model, feats, anchors, blocks) * weights).sum()
+
+        return nn.value_and_grad(drafter, f)
+
+    fast, fast_grads = objective(training_hidden)(drafter, features)
+    slow, slow_grads = objective(reference_hidden)(drafter, features)
+    assert mx.allclose(fast, slow, rtol=1e-5, atol=1e-4), (fast, slow)
+    fast_grads, slow_grads = (
+        dict(tree_flatten(fast_grads)),
+        dict(tree_flatten(slow_grads)),
+    )
+    assert fast_grads.keys() == slow_grads.keys() and len(fast_grads) > 10
+    assert not any("layer_scalar" in k for k in fast_grads)
+    for key, grad in fast_grads.items():
+        scale = mx.maximum(mx.abs(grad).max(), 1e-3)
+        error = mx.abs(grad - slow_grads[key]).max() / scale
+        assert error.item() < 1e-4, (key, error)
 
 
 def test_init_from_target_copies_the_top_layers():
