@@ -8,6 +8,8 @@ and attends, bidirectionally within the block, to the projected features of
 the tokens strictly before the anchor (:mod:`mlx_dspark.training.model`).
 Block position ``k`` predicts token ``anchor + k + 1``; the loss is in
 :mod:`mlx_dspark.training.loss`, the loop in :mod:`mlx_dspark.training.trainer`.
+A Gemma-4 target gets DeepSpec's ``Gemma4DSparkModel`` drafter
+(:func:`mlx_dspark.training.model.gemma4_config`); the rest is the same.
 This module holds the arguments, :func:`train` and the command line.
 """
 
