@@ -1,7 +1,6 @@
 """Measure the built-in default pair on held-out text (one run).
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
-        python examples/eval_default_pair.py --max-tokens 96
+    python examples/eval_default_pair.py --max-tokens 96
 
 Held-out sets: chat-like questions (chat template), CPython standard-library
 modules excluded from training (``crc32(relative path) % 10 == 0``: code
@@ -20,11 +19,14 @@ import time
 import zlib
 from pathlib import Path
 
+# isort: off
+import mlx_dspark  # first: it loads a system OpenBLAS before mlx.core
+
+# isort: on
 import numpy as np
 from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 from mlx_lm.sample_utils import make_sampler
 
-import mlx_dspark
 from mlx_dspark import stream_generate
 
 CHAT = [

@@ -14,6 +14,10 @@ import argparse
 import tempfile
 from pathlib import Path
 
+# isort: off
+import mlx_dspark  # noqa: F401  (first: it loads a system OpenBLAS before mlx.core)
+
+# isort: on
 import mlx.core as mx
 from mlx_dspark.convert.drafter import convert_drafter
 from mlx_lm.generate import generate_step

@@ -16,6 +16,10 @@ import argparse
 import tempfile
 import time
 
+# isort: off
+import mlx_dspark  # noqa: F401  (first: it loads a system OpenBLAS before mlx.core)
+
+# isort: on
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
