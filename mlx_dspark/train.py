@@ -8,17 +8,17 @@ and attends, bidirectionally within the block, to the projected features of
 the tokens strictly before the anchor (:mod:`mlx_dspark.training.model`).
 Block position ``k`` predicts token ``anchor + k + 1``; the loss is in
 :mod:`mlx_dspark.training.loss`, the loop in :mod:`mlx_dspark.training.trainer`.
-This module holds the arguments, :func:`train` and the command line.
+This module holds the arguments and :func:`train`; the command line is in
+:mod:`mlx_dspark.cli.train`.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
+import logging
 import math
 import shutil
-import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,7 +28,7 @@ import mlx.optimizers as optim
 import numpy as np
 
 from .data import load_sequences, regenerate, sha256
-from .errors import DSparkError, run_cli
+from .errors import DSparkError
 from .target import TargetAdapter
 from .training.batches import Batch, DraftVocabulary, draft_vocabulary, make_batch
 from .training.checkpoint import (
@@ -57,13 +57,14 @@ from .training.trainer import (
 __all__ = [
     "TrainArgs",
     "TrainResult",
-    "build_parser",
     "default_layer_ids",
     "main",
     "new_drafter",
     "train",
     "training_hidden",
 ]
+logger = logging.getLogger("mlx_dspark")
+
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
@@ -180,10 +181,12 @@ def train(
     )  # fmt: skip
     save(state)
     if status == "interrupted":
-        print(
-            f"stopped at step {state.step}/{total}; checkpoint saved to {ckpt}; "
-            "rerun with --resume to continue",
-            file=sys.stderr,
+        logger.warning(
+            "stopped at step %d/%d; checkpoint saved to %s; rerun with --resume "
+            "to continue",
+            state.step,
+            total,
+            ckpt,
         )
         return TrainResult(status, None, ckpt, state.step, final, state.history)
     record = _record(args, target_path, layer_ids, mask_token_id, inputs, data_hashes,
@@ -434,199 +437,13 @@ def _mlx_lm_version() -> str:
 
 def _say(args: TrainArgs, message: str) -> None:
     if not args.quiet:
-        print(message, flush=True)
-
-
-# ---------------------------------------------------------------------------- CLI
-
-
-def _layer_ids(value: str) -> list[int]:
-    try:
-        return [int(v) for v in value.replace(",", " ").split()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected integers like 1,8,15, got {value!r}"
-        ) from None
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="mlx_dspark.train",
-        description="Train a DSpark drafter for an mlx-lm target model.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    d = TrainArgs(model="", data=[], out="")
-
-    def add(flag: str, *more: str, **kwargs) -> None:
-        if kwargs.get("action") in ("store_true", argparse.BooleanOptionalAction):
-            kwargs.setdefault("default", False)
-        p.add_argument(flag, *more, **kwargs)
-
-    add("--model", required=True, help="Target model path or Hugging Face repo.")
-    add(
-        "--data",
-        nargs="+",
-        required=True,
-        metavar="FILE",
-        help="Text files and/or JSONL files (messages, prompt/completion, text, tokens).",
-    )
-    add("--out", required=True, help="Output drafter directory (DeepSpec format).")
-    add("--block-size", type=int, default=d.block_size, help="Tokens per draft block.")
-    add("--layers", type=int, default=d.layers, help="Draft decoder layers.")
-    add(
-        "--markov-head",
-        default=d.markov_head,
-        choices=["vanilla", "gated", "rnn", "none"],
-        help="Sequential head over the block (none: parallel drafts only).",
-    )
-    add("--markov-rank", type=int, default=d.markov_rank, help="Sequential head rank.")
-    add(
-        "--draft-vocab",
-        type=int,
-        default=None,
-        metavar="N",
-        help="Draft over the N most frequent training tokens only (smaller, faster "
-        "drafter; still lossless); none = the target's whole vocabulary.",
-    )
-    add(
-        "--target-layer-ids",
-        type=_layer_ids,
-        default=None,
-        help="Target layers to tap, e.g. 1,8,15 (-1 = embeddings); none = spread "
-        "evenly.",
-    )
-    add(
-        "--confidence",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="Train the confidence head.",
-    )
-    add(
-        "--mask-token-id",
-        type=int,
-        default=None,
-        help="Mask token id; none = the last vocabulary id.",
-    )
-    group = p.add_mutually_exclusive_group()
-    group.add_argument(
-        "--steps", type=int, default=None, help="Optimizer steps (or --epochs)."
-    )
-    group.add_argument(
-        "--epochs", type=float, default=None, help="Passes over the data; none = 1."
-    )
-    add("--batch-size", type=int, default=d.batch_size, help="Sequences per step.")
-    add("--anchors", type=int, default=d.anchors, help="Blocks per sequence.")
-    add("--lr", type=float, default=d.lr, help="Peak learning rate (AdamW).")
-    add("--warmup", type=float, default=d.warmup, help="Warm-up fraction of steps.")
-    add("--weight-decay", type=float, default=d.weight_decay, help="AdamW decay.")
-    add(
-        "--grad-clip",
-        type=float,
-        default=d.grad_clip,
-        help="Gradient norm clip (0 = off).",
-    )
-    add("--seq-len", type=int, default=d.seq_len, help="Tokens per sequence.")
-    add("--gamma", type=float, default=d.gamma, help="Position-weight decay.")
-    add("--seed", type=int, default=d.seed, help="Random seed.")
-    add("--resume", action="store_true", help="Continue from the checkpoint.")
-    add(
-        "--checkpoint-every",
-        type=int,
-        default=d.checkpoint_every,
-        help="Steps between checkpoints (beside --out, as OUT.checkpoint).",
-    )
-    add(
-        "--keep-checkpoint",
-        action="store_true",
-        help="Keep OUT.checkpoint after a finished run (drafter and optimizer "
-        "state, several times the drafter's size); by default it is removed.",
-    )
-    add(
-        "--teacher-store",
-        "--cache-features",
-        dest="teacher_store",
-        default=None,
-        metavar="DIR",
-        help="Compute the target's features and distributions once, into DIR "
-        "(memory-mapped; reused by later runs on the same data); none = run the "
-        "target on the fly every step.",
-    )
-    add(
-        "--init-from-target",
-        action="store_true",
-        help="Start the draft layers from the target's top decoder layers.",
-    )
-    add(
-        "--regenerate",
-        action="store_true",
-        help="First let the target write the responses.",
-    )
-    add(
-        "--regenerate-out",
-        default=None,
-        metavar="FILE",
-        help="Where the regenerated responses go; none = OUT.regenerated.jsonl.",
-    )
-    add(
-        "--regen-max-tokens",
-        type=int,
-        default=d.regen_max_tokens,
-        help="Tokens per regenerated answer.",
-    )
-    add(
-        "--regen-prompt-tokens",
-        type=int,
-        default=d.regen_prompt_tokens,
-        help="Prompt tokens taken from plain-text chunks.",
-    )
-    add(
-        "--regen-temperature",
-        type=float,
-        default=d.regen_temperature,
-        help="Sampling temperature of the regeneration.",
-    )
-    add(
-        "--regen-batch-size",
-        type=int,
-        default=d.regen_batch_size,
-        help="Prompts answered together.",
-    )
-    add(
-        "--with-embeddings",
-        action="store_true",
-        help="Also write embed_tokens/lm_head copies, as DeepSpec does.",
-    )
-    add("--dtype", default=d.dtype, choices=list(DTYPES), help="Training dtype.")
-    add(
-        "--quantize-bits",
-        type=int,
-        default=None,
-        choices=[2, 3, 4, 6, 8],
-        help="Write the drafter quantized (MLX format) to this many bits; none = "
-        "float.",
-    )
-    add(
-        "--quantize-group-size",
-        type=int,
-        default=d.quantize_group_size,
-        help="Quantization group size.",
-    )
-    add("--force", action="store_true", help="Replace an existing output.")
-    add("--log-every", type=int, default=d.log_every, help="Steps between log lines.")
-    add("--quiet", action="store_true", help="No progress or messages.")
-    return p
-
-
-def _main() -> None:
-    ns = build_parser().parse_args()
-    args = TrainArgs(**vars(ns))
-    result = train(args)
-    if result.status == "interrupted":
-        raise SystemExit(130)
+        logger.info(message)
 
 
 def main() -> None:
-    run_cli(_main)
+    from .cli.train import main as cli_main
+
+    cli_main()
 
 
 if __name__ == "__main__":
