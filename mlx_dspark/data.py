@@ -449,8 +449,10 @@ def shard_name(temperature: float, index: int) -> str:
 def _write_atomic_gzip(path: Path, lines: list[str]) -> None:
     def write(tmp: Path) -> None:
         with open(tmp, "wb") as raw:
-            # mtime=0: the same answers give the same bytes (stable hashes in git).
-            with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz:
+            # mtime=0 and a fixed name: the same answers give the same bytes
+            # (stable hashes in git).
+            name = f".{path.name}.tmp"
+            with gzip.GzipFile(name, mode="wb", fileobj=raw, mtime=0) as gz:
                 gz.write("".join(line + "\n" for line in lines).encode("utf-8"))
             raw.flush()
             os.fsync(raw.fileno())

@@ -55,9 +55,30 @@ def test_help_lists_every_command():
 
 
 def test_unknown_command_is_refused():
-    result = family("no-such-command")
-    assert result.returncode != 0 and "Traceback" not in result.stderr
-    assert "no-such-command" in result.stderr
+    one_sentence_error(family("no-such-command"), "no-such-command")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["doctor", "--no-such-flag"], "--no-such-flag"),
+        (
+            ["calibrate", "--model", "m", "--draft-model", "d", "--rounds", "x"],
+            "--rounds",
+        ),
+        (["calibrate", "--draft-model", "d"], "--model"),
+        (
+            ["train", "--model", "m", "--data", "d", "--out", "o", "--steps", "x"],
+            "--steps",
+        ),
+        (["benchmark", "--trials", "x"], "--trials"),
+        (["convert", "--gguf", "a", "--draft-model", "b"], "not allowed with"),
+        (["generate", "--max-tokens", "x"], "--max-tokens"),
+    ],
+)
+def test_bad_flags_are_one_sentence(argv, message):
+    one_sentence_error(family(*argv), message)
+    one_sentence_error(dotted(argv[0], *argv[1:]), message)
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))

@@ -219,7 +219,7 @@ def _threshold_modes(pair: Pair, settings: Settings) -> list[Variant]:
 
 def _scheduler_modes(pair: Pair, settings: Settings) -> list[Variant]:
     def policy(pair: Pair):
-        return resolve_policy(pair.model, pair.drafter, "auto", progress=False).policy
+        return resolve_policy(pair.model, pair.drafter, "auto").policy
 
     block = pair.drafter.block_size
     return [Variant("dspark-scheduler", "dspark", dspark_runner(block, policy), block)]
@@ -229,7 +229,7 @@ def _default_modes(pair: Pair, settings: Settings) -> list[Variant]:
     """What runs when the user passes no DSpark flags (the adaptive policy)."""
 
     def policy(pair: Pair):
-        return resolve_policy(pair.model, pair.drafter, None, progress=False).policy
+        return resolve_policy(pair.model, pair.drafter, None).policy
 
     block = pair.drafter.block_size
     return [Variant("dspark-default", "dspark", dspark_runner(None, policy), block)]

@@ -69,7 +69,7 @@ from ..benchmark.schema import SCHEMA_VERSION
 from ..default import default_pair
 from ..errors import DSparkError
 from ..utils import write_atomic
-from .terminal import run_cli
+from .terminal import ArgumentParser, run_cli
 
 
 def _fmt(value: float | None, spec: str = ".2f") -> str:
@@ -214,7 +214,7 @@ def _float_list(text: str, what: str) -> list[float]:
 
 
 def build_parser(prog: str = "mlx_dspark.benchmark") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog=prog,
         description="Compare target-only, mlx-lm speculative and DSpark decoding.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,

@@ -11,11 +11,11 @@ import argparse
 from pathlib import Path
 
 from ..errors import DSparkError
-from .terminal import progress_bar, run_cli
+from .terminal import ArgumentParser, progress_bar, run_cli
 
 
 def build_parser(prog: str = "mlx_dspark.convert") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog=prog,
         description="Convert checkpoints into MLX model directories.",
     )

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..doctor import diagnose
-from .terminal import run_cli
+from .terminal import run_app
 
 
 def _gib(nbytes: int | None) -> str:
@@ -76,7 +76,7 @@ def doctor(
 def main(argv: list[str] | None = None, prog: str = "mlx_dspark.doctor") -> None:
     app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
     app.command()(doctor)
-    run_cli(lambda: app(args=argv, prog_name=prog))
+    run_app(app, argv, prog)
 
 
 if __name__ == "__main__":

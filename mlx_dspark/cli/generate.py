@@ -21,17 +21,10 @@ from pathlib import Path
 
 from ..errors import DSparkError
 from ..policies import SCHEDULERS
-from .terminal import progress_bar, run_cli
+from .terminal import ArgumentParser, progress_bar, run_cli
 
 # mlx-lm's --max-tokens -1 means "no limit".
 UNLIMITED = 2**31 - 1
-
-
-class _Parser(argparse.ArgumentParser):
-    """Flag errors become one-sentence DSpark errors (no usage dump)."""
-
-    def error(self, message: str):
-        raise DSparkError(message[:1].upper() + message[1:].rstrip(".") + ".")
 
 
 def _mlx_lm_generate():
@@ -55,7 +48,7 @@ def _action(parser: argparse.ArgumentParser, flag: str) -> argparse.Action:
 
 def setup_arg_parser(prog: str | None = None) -> argparse.ArgumentParser:
     """mlx-lm's ``generate`` parser plus the DSpark flags."""
-    parser = _Parser(
+    parser = ArgumentParser(
         prog=prog,
         description="LLM inference with DSpark speculative decoding: every "
         "mlx_lm.generate flag, plus the DSpark group.",

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 import typer
 
+from .terminal import run_app
+
 # name -> (module in mlx_dspark.cli, one-line help). Every module has
 # ``main(argv, prog)``. A new command (``server``) is one entry here.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -78,7 +80,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         # reinterpret its flags.
         run_command(argv[0], argv[1:])
         return
-    build_app()(args=argv, prog_name="mlx_dspark")
+    # The list of commands, or one sentence for an unknown command.
+    run_app(build_app(), argv or ["--help"], "mlx_dspark")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,17 @@
-"""The terminal side of the library: progress bars for its ``progress(done,
-total)`` callbacks, and its :mod:`logging` records as plain lines."""
+"""What every command shares: one-sentence errors (also for bad flags, with
+argparse or typer), progress bars for the library's ``progress(done, total)``
+callbacks, and its :mod:`logging` records as plain lines."""
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
+import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
@@ -95,3 +98,36 @@ def run_cli(main: Callable[[], T]) -> T:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         raise SystemExit(130) from None
+
+
+def sentence(message: str) -> str:
+    """``message`` as one sentence: capitalised, one final full stop."""
+    message = " ".join(message.split())
+    return message[:1].upper() + message[1:].rstrip(".") + "."
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """Flag errors become one-sentence DSpark errors (no usage dump)."""
+
+    def error(self, message: str):
+        raise DSparkError(sentence(message))
+
+
+def run_app(app: typer.Typer, argv: list[str] | None, prog: str) -> None:
+    """Run a typer command with :func:`run_cli`; a bad flag is one sentence too."""
+
+    def call() -> None:
+        try:
+            code = app(args=argv, prog_name=prog, standalone_mode=False)
+        except typer.Abort:
+            raise KeyboardInterrupt from None
+        except Exception as error:
+            # click's exceptions (typer may vendor its own click): usage errors
+            # and bad values carry a message and an exit code.
+            if not (hasattr(error, "format_message") and hasattr(error, "exit_code")):
+                raise
+            raise DSparkError(sentence(error.format_message())) from None
+        if code:
+            raise SystemExit(code)
+
+    run_cli(call)

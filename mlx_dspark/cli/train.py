@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from ..train import DTYPES, TrainArgs, train
-from .terminal import log_to_terminal, run_cli
+from .terminal import ArgumentParser, log_to_terminal, run_cli
 
 
 def _layer_ids(value: str) -> list[int]:
@@ -22,7 +22,7 @@ def _layer_ids(value: str) -> list[int]:
 
 
 def build_parser(prog: str = "mlx_dspark.train") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog=prog,
         description="Train a DSpark drafter for an mlx-lm target model.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
