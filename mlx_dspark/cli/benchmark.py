@@ -424,8 +424,6 @@ def _main(argv: list[str] | None, prog: str) -> int:
     if bad:
         raise DSparkError(f"--fixed-n values must lie in 0..{block}, got {bad[0]}.")
     if args.profile:
-        from .. import roundprofile
-
         if pair.drafter is None:
             raise DSparkError("--profile needs a DSpark drafter (--draft-model).")
         profiles = {
