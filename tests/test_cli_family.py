@@ -233,3 +233,31 @@ def test_no_command_line_code_outside_the_cli_package():
                     offenders.append(f"{path.name}:{node.lineno} imports {name}")
     assert not offenders, offenders
     assert len(list(_package_files())) > 20
+
+
+def test_library_reports_progress_through_callbacks(
+    pair_factory, tmp_path, monkeypatch, capsys
+):
+    from mlx_dspark.calibrate import calibrate_pair
+    from mlx_dspark.profile import get_profile
+
+    monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path))
+    model, tokenizer, drafter, *_ = pair_factory()
+    calls = []
+    get_profile(
+        model, drafter, "refresh", contexts=(8,), repeats=1,
+        progress=lambda done, total: calls.append((done, total)),
+    )  # fmt: skip
+    total = calls[-1][1]
+    assert calls == [(done, total) for done in range(1, total + 1)]
+    rounds = []
+    calibrate_pair(
+        model, tokenizer, drafter, prompts=["t1 t2 t3"], rounds=5, max_tokens=16,
+        out=tmp_path / "calibration.json", plot=False,
+        progress=lambda done, total: rounds.append((done, total)),
+    )  # fmt: skip
+    assert rounds and rounds[-1] == (5, 5)
+    assert (tmp_path / "calibration.json").is_file()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    out, err = capsys.readouterr()
+    assert out == "" and err == ""  # the library draws nothing

@@ -9,6 +9,7 @@ here only lists the commands (``mlx_dspark --help``) and refuses unknown ones.
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Sequence
 
 import typer
@@ -72,8 +73,6 @@ def build_app() -> typer.Typer:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    import sys
-
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in COMMANDS:
         # Straight to the command's parser: no second parse that could
