@@ -72,7 +72,8 @@ def test_unknown_command_is_refused():
             "--steps",
         ),
         (["benchmark", "--trials", "x"], "--trials"),
-        (["convert", "--gguf", "a", "--draft-model", "b"], "not allowed with"),
+        (["convert", "--gguf", "a", "--draft-model", "b"], "not both"),
+        (["convert", "--draft-model", "b", "--to", "onnx"], "--to must be one of"),
         (["generate", "--max-tokens", "x"], "--max-tokens"),
     ],
 )

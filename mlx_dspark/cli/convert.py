@@ -7,80 +7,118 @@ source has its own handler below. The conversions themselves are in
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
+from types import SimpleNamespace
+
+import typer
 
 from ..errors import DSparkError
-from .terminal import ArgumentParser, progress_bar, run_cli
+from .terminal import progress_bar, run_app
+
+DRAFTERS = "Drafters (--draft-model)"
+_DRAFTER_ONLY = ("quantize", "q_bits", "q_group_size", "target")
 
 
-def build_parser(prog: str = "mlx_dspark.convert") -> argparse.ArgumentParser:
-    parser = ArgumentParser(
-        prog=prog,
-        description="Convert checkpoints into MLX model directories.",
-    )
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument(
-        "--gguf", metavar="FILE", help="llama-architecture GGUF target model"
-    )
-    source.add_argument(
+def _choice(flag: str, value, choices: tuple) -> None:
+    if value is not None and value not in choices:
+        names = ", ".join(map(str, choices))
+        raise DSparkError(f"{flag} must be one of {names}, got {value}.")
+
+
+def convert(
+    gguf: str | None = typer.Option(
+        None, "--gguf", metavar="FILE", help="llama-architecture GGUF target model."
+    ),
+    draft_model: str | None = typer.Option(
+        None,
         "--draft-model",
         metavar="PATH|REPO",
-        help="DSpark drafter: DeepSpec, speculators 'dspark' or MLX checkpoint",
-    )
-    parser.add_argument("--out", metavar="DIR", help="output directory")
-    parser.add_argument(
-        "--force", action="store_true", help="replace a non-empty --out directory"
-    )
-    parser.add_argument(
+        help="DSpark drafter: DeepSpec, speculators 'dspark' or MLX checkpoint.",
+    ),
+    out: str | None = typer.Option(
+        None, "--out", metavar="DIR", help="Output directory."
+    ),
+    force: bool = typer.Option(
+        False, "--force", help="Replace a non-empty --out directory.", metavar=""
+    ),
+    dry_run: bool = typer.Option(
+        False,
         "--dry-run",
-        action="store_true",
-        help="print what would be converted and written, then stop",
-    )
-    parser.add_argument(
+        help="Print what would be converted and written, then stop.",
+        metavar="",
+    ),
+    dequantize: bool = typer.Option(
+        False,
         "--dequantize",
-        action="store_true",
-        help="write quantized GGUF tensors as float16 (faster on CPU)",
-    )
-    drafter = parser.add_argument_group("drafters (--draft-model)")
-    drafter.add_argument(
-        "-q", "--quantize", action="store_true", help="quantize the drafter"
-    )
-    drafter.add_argument(
+        help="Write quantized GGUF tensors as float16 (faster on CPU).",
+        metavar="",
+    ),
+    quantize: bool = typer.Option(
+        False,
+        "-q",
+        "--quantize",
+        help="Quantize the drafter.",
+        metavar="",
+        rich_help_panel=DRAFTERS,
+    ),
+    q_bits: int | None = typer.Option(
+        None,
         "--q-bits",
-        type=int,
-        choices=[2, 3, 4, 6, 8],
-        help="bits per weight with -q (default 4)",
-    )
-    drafter.add_argument(
+        metavar="BITS",
+        help="Bits per weight with -q: 2, 3, 4, 6 or 8 (default 4).",
+        rich_help_panel=DRAFTERS,
+    ),
+    q_group_size: int | None = typer.Option(
+        None,
         "--q-group-size",
-        type=int,
-        choices=[32, 64, 128],
-        help="quantization group size with -q (default 64)",
-    )
-    drafter.add_argument(
+        metavar="SIZE",
+        help="Quantization group size with -q: 32, 64 or 128 (default 64).",
+        rich_help_panel=DRAFTERS,
+    ),
+    target: str | None = typer.Option(
+        None,
         "--target",
         metavar="PATH|REPO",
-        help="the target model: leave out the drafter's copies of its embedding "
-        "and LM head, or supply them with --to deepspec",
-    )
-    drafter.add_argument(
+        help="The target model: leave out the drafter's copies of its embedding "
+        "and LM head, or supply them with --to deepspec.",
+        rich_help_panel=DRAFTERS,
+    ),
+    to: str = typer.Option(
+        "mlx",
         "--to",
-        choices=["mlx", "deepspec", "speculators"],
-        default="mlx",
-        help="output format (default mlx); deepspec and speculators (vLLM, SGLang) "
-        "write float checkpoints, and only speculators holds a reduced draft vocabulary",
-    )
-    parser.add_argument(
+        metavar="FORMAT",
+        help="Output format: mlx, deepspec or speculators; deepspec and "
+        "speculators (vLLM, SGLang) write float checkpoints, and only speculators "
+        "holds a reduced draft vocabulary.",
+        rich_help_panel=DRAFTERS,
+    ),
+    dtype: str | None = typer.Option(
+        None,
         "--dtype",
-        choices=["float16", "bfloat16", "float32"],
-        help="dtype of float outputs (default: float16 for dequantized tensors, "
-        "GGUF's own type otherwise); float32 runs fastest on CPU",
-    )
-    return parser
+        metavar="DTYPE",
+        help="dtype of float outputs: float16, bfloat16 or float32 (default: "
+        "float16 for dequantized tensors, GGUF's own type otherwise); float32 "
+        "runs fastest on CPU.",
+    ),
+) -> None:
+    """Convert checkpoints into MLX model directories."""
+    if (gguf is None) == (draft_model is None):
+        raise DSparkError("Give one of --gguf and --draft-model (not both).")
+    _choice("--q-bits", q_bits, (2, 3, 4, 6, 8))
+    _choice("--q-group-size", q_group_size, (32, 64, 128))
+    _choice("--to", to, ("mlx", "deepspec", "speculators"))
+    _choice("--dtype", dtype, ("float16", "bfloat16", "float32"))
+    args = SimpleNamespace(**locals())
+    if args.gguf is not None:
+        used = [f"--{k.replace('_', '-')}" for k in _DRAFTER_ONLY if getattr(args, k)]
+        if used or args.to != "mlx":
+            raise DSparkError(f"{(used or ['--to'])[0]} applies to --draft-model only.")
+        convert_gguf_cli(args)
+    else:
+        convert_drafter_cli(args)
 
 
-def convert_gguf_cli(args: argparse.Namespace) -> None:
+def convert_gguf_cli(args: SimpleNamespace) -> None:
     from ..convert.gguf import convert_gguf, describe_plan, plan_conversion
 
     if args.dry_run:
@@ -104,10 +142,7 @@ def convert_gguf_cli(args: argparse.Namespace) -> None:
     )
 
 
-_DRAFTER_ONLY = ("quantize", "q_bits", "q_group_size", "target")
-
-
-def convert_drafter_cli(args: argparse.Namespace) -> None:
+def convert_drafter_cli(args: SimpleNamespace) -> None:
     from ..convert.drafter import convert_drafter, describe_plan, plan_drafter
 
     if args.dequantize:
@@ -137,19 +172,10 @@ def convert_drafter_cli(args: argparse.Namespace) -> None:
     )
 
 
-def _main(argv: list[str] | None = None, prog: str = "mlx_dspark.convert") -> None:
-    args = build_parser(prog).parse_args(argv)
-    if args.gguf is not None:
-        used = [f"--{k.replace('_', '-')}" for k in _DRAFTER_ONLY if getattr(args, k)]
-        if used or args.to != "mlx":
-            raise DSparkError(f"{(used or ['--to'])[0]} applies to --draft-model only.")
-        convert_gguf_cli(args)
-    else:
-        convert_drafter_cli(args)
-
-
 def main(argv: list[str] | None = None, prog: str = "mlx_dspark.convert") -> None:
-    run_cli(lambda: _main(argv, prog))
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    app.command()(convert)
+    run_app(app, argv, prog)
 
 
 if __name__ == "__main__":

@@ -116,9 +116,11 @@ class ArgumentParser(argparse.ArgumentParser):
 def run_app(app: typer.Typer, argv: list[str] | None, prog: str) -> None:
     """Run a typer command with :func:`run_cli`; a bad flag is one sentence too."""
 
+    args = None if argv is None else [str(arg) for arg in argv]  # paths too
+
     def call() -> None:
         try:
-            code = app(args=argv, prog_name=prog, standalone_mode=False)
+            code = app(args=args, prog_name=prog, standalone_mode=False)
         except typer.Abort:
             raise KeyboardInterrupt from None
         except Exception as error:
