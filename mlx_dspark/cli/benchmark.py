@@ -45,11 +45,12 @@ loads the pair and renders the report.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
+import typer
 from rich.console import Console
 from rich.table import Table
 
@@ -69,7 +70,7 @@ from ..benchmark.schema import SCHEMA_VERSION
 from ..default import default_pair
 from ..errors import DSparkError
 from ..utils import write_atomic
-from .terminal import ArgumentParser, run_cli
+from .terminal import run_app
 
 
 def _fmt(value: float | None, spec: str = ".2f") -> str:
@@ -213,85 +214,91 @@ def _float_list(text: str, what: str) -> list[float]:
         ) from None
 
 
-def build_parser(prog: str = "mlx_dspark.benchmark") -> argparse.ArgumentParser:
-    p = ArgumentParser(
-        prog=prog,
-        description="Compare target-only, mlx-lm speculative and DSpark decoding.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("--model", help="Target model path or Hugging Face repo.")
-    p.add_argument("--draft-model", help="DSpark drafter path or Hugging Face repo.")
-    p.add_argument(
+def benchmark(
+    model: str | None = typer.Option(
+        None, "--model", help="Target model path or Hugging Face repo."
+    ),
+    draft_model: str | None = typer.Option(
+        None, "--draft-model", help="DSpark drafter path or Hugging Face repo."
+    ),
+    mlx_lm_draft_model: str | None = typer.Option(
+        None,
         "--mlx-lm-draft-model",
         help="A small model for mlx-lm's own speculative decoding.",
-    )
-    p.add_argument(
-        "--mlx-lm-num-draft", type=int, default=3, help="Drafts per round for it."
-    )
-    p.add_argument("--prompts", default="chat", help="chat, code, math, or a file.")
-    p.add_argument(
-        "--max-tokens", "-m", type=int, default=64, help="Tokens per prompt."
-    )
-    p.add_argument(
-        "--trials", type=int, default=3, help="Passes over the prompts (median)."
-    )
-    p.add_argument(
+    ),
+    mlx_lm_num_draft: int = typer.Option(
+        3, "--mlx-lm-num-draft", help="Drafts per round for it."
+    ),
+    prompts: str = typer.Option(
+        "chat", "--prompts", help="chat, code, math, or a file."
+    ),
+    max_tokens: int = typer.Option(64, "--max-tokens", "-m", help="Tokens per prompt."),
+    trials: int = typer.Option(3, "--trials", help="Passes over the prompts (median)."),
+    modes: str = typer.Option(
+        ",".join(MODES),
         "--modes",
-        default=",".join(MODES),
         help=f"Comma-separated modes among {', '.join(MODES)}.",
-    )
-    p.add_argument(
+    ),
+    fixed_n: str | None = typer.Option(
+        None,
         "--fixed-n",
         help="Draft counts for the fixed modes (default: 2,4,block; 0 = plain "
         "target decoding in the DSpark loop).",
-    )
-    p.add_argument(
+    ),
+    useless_drafter: bool = typer.Option(
+        False,
         "--useless-drafter",
-        action="store_true",
         help="Replace the drafter's weights by random ones of the same shapes "
         "(a pair that never drafts well: the default policy should stop drafting).",
-    )
-    p.add_argument(
-        "--thresholds", default="0.5", help="Confidence thresholds for threshold modes."
-    )
-    p.add_argument(
-        "--tree-budgets", default="8,16", help="Node budgets for the tree modes."
-    )
-    p.add_argument(
+        metavar="",
+    ),
+    thresholds: str = typer.Option(
+        "0.5", "--thresholds", help="Confidence thresholds for threshold modes."
+    ),
+    tree_budgets: str = typer.Option(
+        "8,16", "--tree-budgets", help="Node budgets for the tree modes."
+    ),
+    ignore_chat_template: bool = typer.Option(
+        False,
         "--ignore-chat-template",
-        action="store_true",
         help="Use the prompts as they are, without the tokenizer's chat template.",
-    )
-    p.add_argument("--json", type=Path, help="Write the records as JSON here.")
-    p.add_argument("--plot", type=Path, help="Write PNG plots into this folder.")
-    p.add_argument(
-        "--synthetic", help="Run a synthetic Qwen3-shaped pair: 0.6b, 1.7b or 4b."
-    )
-    p.add_argument(
-        "--bits",
-        type=int,
-        default=4,
-        help="Synthetic target: 4, 8 (quantized), 16, 32.",
-    )
-    p.add_argument(
-        "--accept", default="chat", help="Synthetic acceptance profile: chat or math."
-    )
-    p.add_argument("--parity-record", type=Path, help="Record a golden greedy trace.")
-    p.add_argument("--parity-check", type=Path, help="Replay a golden trace.")
-    p.add_argument(
-        "--parity-rtol",
-        type=float,
-        default=1e-3,
-        help="Relative logit tolerance of --parity-check.",
-    )
-    p.add_argument(
+        metavar="",
+    ),
+    json: Path | None = typer.Option(
+        None, "--json", help="Write the records as JSON here."
+    ),
+    plot: Path | None = typer.Option(
+        None, "--plot", help="Write PNG plots into this folder."
+    ),
+    synthetic: str | None = typer.Option(
+        None, "--synthetic", help="Run a synthetic Qwen3-shaped pair: 0.6b, 1.7b or 4b."
+    ),
+    bits: int = typer.Option(
+        4, "--bits", help="Synthetic target: 4, 8 (quantized), 16, 32."
+    ),
+    accept: str = typer.Option(
+        "chat", "--accept", help="Synthetic acceptance profile: chat or math."
+    ),
+    parity_record: Path | None = typer.Option(
+        None, "--parity-record", help="Record a golden greedy trace."
+    ),
+    parity_check: Path | None = typer.Option(
+        None, "--parity-check", help="Replay a golden trace."
+    ),
+    parity_rtol: float = typer.Option(
+        1e-3, "--parity-rtol", help="Relative logit tolerance of --parity-check."
+    ),
+    profile: bool = typer.Option(
+        False,
         "--profile",
-        action="store_true",
         help="Instead of the modes: split a greedy round into its stages at each "
         "--fixed-n, and time the adapter's target forward against mlx-lm's "
         "(5 x --trials calls each).",
-    )
-    return p
+        metavar="",
+    ),
+) -> None:
+    """Compare target-only, mlx-lm speculative and DSpark decoding."""
+    run(SimpleNamespace(**locals()))
 
 
 def load_pair(args) -> Pair:
@@ -360,8 +367,8 @@ def _check_args(args) -> None:
             raise DSparkError(f"--thresholds must lie in [0, 1], got {t}.")
 
 
-def _main(argv: list[str] | None, prog: str) -> int:
-    args = build_parser(prog).parse_args(argv)
+def run(args: SimpleNamespace) -> None:
+    """The benchmark for the parsed flags (``args`` has one field per flag)."""
     _check_args(args)
     console = Console(width=None if sys.stdout.isatty() else 200)
     err = Console(stderr=True)
@@ -396,7 +403,7 @@ def _main(argv: list[str] | None, prog: str) -> int:
                 f"{rounds} rounds, backend {trace['backend']}",
                 highlight=False,
             )
-            return 0
+            return
         trace = read_trace(args.parity_check)
         divergence, summary = check_trace(pair, trace, args.parity_rtol)
         from ..machine import backend
@@ -412,7 +419,7 @@ def _main(argv: list[str] | None, prog: str) -> int:
             f"(this run: {backend()}).",
             highlight=False,
         )
-        return 0
+        return
 
     block = pair.drafter.block_size if pair.drafter is not None else 1
     fixed = (
@@ -436,7 +443,7 @@ def _main(argv: list[str] | None, prog: str) -> int:
             pair.adapter, pair.model, repeats=5 * args.trials
         )
         render_profiles(profiles, overhead, console)
-        return 0
+        return
     budgets = _int_list(args.tree_budgets, "--tree-budgets")
     if any(b < 1 for b in budgets):
         raise DSparkError("--tree-budgets values must be at least 1.")
@@ -503,13 +510,12 @@ def _main(argv: list[str] | None, prog: str) -> int:
             "[bold yellow]warning:[/] a mode's greedy output differs from target-only "
             "decoding (see the lossless column)."
         )
-    return 0
 
 
 def main(argv: list[str] | None = None, prog: str = "mlx_dspark.benchmark") -> None:
-    code = run_cli(lambda: _main(argv, prog))
-    if code:
-        sys.exit(code)
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    app.command()(benchmark)
+    run_app(app, argv, prog)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """``mlx_dspark train``: train a DSpark drafter for an mlx-lm target.
 
 The flags map one to one onto :class:`mlx_dspark.train.TrainArgs`; the work is
-:func:`mlx_dspark.train.train`.
+:func:`mlx_dspark.train.train`. The parser is argparse (with one-sentence
+errors), not typer: ``--data A.jsonl B.txt`` takes several values after one
+flag, which click options cannot, and existing command lines must keep working.
 """
 
 from __future__ import annotations
