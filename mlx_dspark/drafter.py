@@ -9,7 +9,7 @@ recomputed each round and never stored.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -338,6 +338,13 @@ class DSparkDrafter(nn.Module):
         cache has not seen yet; they are projected, cached and attended to.
         """
         h = self.embed(block)
+        self._ingest(start, context, cache)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, start, cache.keys[i], cache.values[i])
+        return self.norm(h)
+
+    def _ingest(self, start: int, context: mx.array | None, cache: DraftCache) -> None:
+        """Project and cache the features of the committed tokens before ``start``."""
         if context is not None and context.shape[1] > 0:
             offset = start - context.shape[1]
             if offset != cache.length:
@@ -348,8 +355,48 @@ class DSparkDrafter(nn.Module):
             for i, layer in enumerate(self.layers):
                 cache.extend(i, *layer.self_attn.key_values(projected, offset))
             cache.length = start
+
+    def forward_batch(
+        self,
+        blocks: mx.array,
+        starts: Sequence[int],
+        contexts: Sequence[mx.array | None],
+        caches: Sequence[DraftCache],
+    ) -> mx.array:
+        """:meth:`__call__` for B requests in one backbone pass: ``blocks`` is
+        ``[B, block]``, and request r has its own position ``starts[r]``,
+        unseen ``contexts[r]`` and cache ``caches[r]``.
+
+        Each request's cached context is left-padded to the longest and a
+        mask hides the padding; RoPE takes one offset per row, so every row
+        equals that request's own :meth:`__call__`.
+        """
+        for start, context, cache in zip(starts, contexts, caches, strict=True):
+            self._ingest(start, context, cache)
+        lengths = [c.length for c in caches]
+        longest = max(lengths)
+        width = blocks.shape[1]
+        columns = mx.arange(longest + width)[None, :]
+        pads = mx.array([longest - n for n in lengths])[:, None]
+        mask = (columns >= pads)[:, None, None, :]
+        offsets = mx.array([int(s) for s in starts])
+        h = self.embed(blocks)
         for i, layer in enumerate(self.layers):
-            h = layer(h, start, cache.keys[i], cache.values[i])
+            keys, values = [], []
+            for cache in caches:
+                k, v = cache.keys[i], cache.values[i]
+                if k is None:
+                    raise ValueError("every request needs committed context")
+                pad = [(0, 0), (0, 0), (longest - k.shape[2], 0), (0, 0)]
+                keys.append(mx.pad(k, pad))
+                values.append(mx.pad(v, pad))
+            h = layer(
+                h,
+                offsets,
+                mx.concatenate(keys, axis=0),
+                mx.concatenate(values, axis=0),
+                mask,
+            )
         return self.norm(h)
 
     def confidence(self, hidden: mx.array, prev_tokens: mx.array) -> mx.array | None:

@@ -163,6 +163,7 @@ def stream_generate(
         telemetry = resolved.policy.telemetry
         telemetry.policy, telemetry.note = resolved.mode, resolved.note
         telemetry.calibration = resolved.calibration_path
+        telemetry.profile = resolved.profile_path
         if resolved.note:
             logger.info(resolved.note)
         stats = GenerationStats()
@@ -258,6 +259,8 @@ def format_stats(response: DSparkResponse) -> list[str]:
             lines.append(tele.note)
         if tele.calibration:
             lines.append(f"Calibration: {tele.calibration}")
+        if tele.profile:
+            lines.append(f"Cost profile: {tele.profile}")
     lines.append(f"Peak memory: {response.peak_memory:.3f} GB")
     return lines
 

@@ -207,6 +207,7 @@ class ResolvedPolicy:
     mode: str
     note: str | None = None
     calibration_path: str | None = None
+    profile_path: str | None = None  # the cached cost profile it read
 
 
 def resolve_policy(
@@ -237,7 +238,7 @@ def resolve_policy(
     """
     from .calibrate import find_calibration
     from .loop import ThresholdPolicy
-    from .profile import get_profile, load_profile
+    from .profile import get_profile, load_profile, profile_key, profile_path
 
     if scheduler is not None and scheduler not in SCHEDULERS:
         raise DSparkError(
@@ -269,17 +270,21 @@ def resolve_policy(
 
         block = drafter.block_size if num_draft is None else num_draft
         guard = MemoryGuard.from_settings(settings, block, memory_source)
+        cached = load_profile(model, drafter)
         policy = AdaptivePolicy(
             temperatures,
             telemetry_for(found),
-            load_profile(model, drafter),
+            cached,
             guard,
             prior=None if found is None else found[0].acceptance(),
         )
         if drafter.policy_memory is not None:
             policy.remember(drafter.policy_memory)
         drafter.policy_memory = policy
-        return ResolvedPolicy(policy, "adaptive", None, cal_path)
+        used = (
+            None if cached is None else str(profile_path(profile_key(model, drafter)))
+        )
+        return ResolvedPolicy(policy, "adaptive", None, cal_path, used)
     if scheduler is None:  # DSPARK_SCHEDULER_ENABLED is set, or profile="refresh"
         if not env_enabled or settings.enabled:
             scheduler = "auto"
@@ -299,4 +304,6 @@ def resolve_policy(
     block = drafter.block_size if num_draft is None else num_draft
     guard = MemoryGuard.from_settings(settings, block, memory_source)
     policy = SchedulerPolicy(temperatures, telemetry, curve, settings, guard)
-    return ResolvedPolicy(policy, "auto", note, cal_path)
+    used = profile_path(profile_key(model, drafter))
+    used = str(used) if used.is_file() else None
+    return ResolvedPolicy(policy, "auto", note, cal_path, used)

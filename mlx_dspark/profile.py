@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -206,6 +207,9 @@ def get_profile(
         if cached is not None:
             return cached
     key = profile_key(model, drafter)
+    logging.getLogger("mlx_dspark").info(
+        "Measuring this pair's cost profile on this machine into %s.", profile_path(key)
+    )
     target = TargetAdapter(model, drafter.config.target_layer_ids)
     curve = measure_profile(target, drafter, progress=progress, **measure_kwargs)
     curve.meta["key"] = key

@@ -37,6 +37,7 @@ class Telemetry:
     policy: str = ""  # the draft policy that ran: adaptive, off, threshold, auto
     note: str | None = None  # why, when it is not what was asked for
     calibration: str | None = None  # the STS calibration file in use
+    profile: str | None = None  # the cached cost profile in use
     n_current: int = 0
     ece: float = float("nan")
     speedup_ratio: float = float("nan")

@@ -8,6 +8,8 @@ and attends, bidirectionally within the block, to the projected features of
 the tokens strictly before the anchor (:mod:`mlx_dspark.training.model`).
 Block position ``k`` predicts token ``anchor + k + 1``; the loss is in
 :mod:`mlx_dspark.training.loss`, the loop in :mod:`mlx_dspark.training.trainer`.
+A Gemma-4 target gets DeepSpec's ``Gemma4DSparkModel`` drafter
+(:func:`mlx_dspark.training.model.gemma4_config`); the rest is the same.
 This module holds the arguments and :func:`train`; the command line is in
 :mod:`mlx_dspark.cli.train`.
 """
@@ -352,6 +354,9 @@ def _teacher(args, target, target_path, sequences, data_hashes, draft_ids):
     return store
 
 
+SHAPE_STEP = 64  # batches are padded to a multiple: few shapes to compile
+
+
 def _batches(
     args: TrainArgs,
     sequences: list,
@@ -368,10 +373,12 @@ def _batches(
         chunk = order[position * args.batch_size : (position + 1) * args.batch_size]
         indices = [int(i) for i in chunk]
         rng = np.random.default_rng([args.seed, 1, step])
+        longest = max(len(sequences[i]) for i in indices)
         batch = make_batch(
             [sequences[i] for i in indices], args.anchors, args.block_size,
             mask_token_id, args.gamma, rng,
             None if vocab is None else vocab.target_to_draft,
+            length=-(-longest // SHAPE_STEP) * SHAPE_STEP,
         )  # fmt: skip
         return indices, batch
 

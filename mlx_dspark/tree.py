@@ -66,7 +66,7 @@ from .errors import DSparkError
 from .loop import ChainMode
 from .sampling import SamplingParams, log_probs
 from .target import TargetAdapter
-from .verify import Verdict, draw
+from .verify import Verdict, draw, rejection_step, without
 
 
 @dataclass
@@ -235,15 +235,8 @@ class TreeMode:
         self, p: np.ndarray, q: np.ndarray, x: int, rng: np.random.Generator
     ) -> tuple[bool, np.ndarray, np.ndarray]:
         """Try sibling ``x``: (accepted, residual target, draft for the next sibling)."""
-        if rng.random() * q[x] < p[x]:
-            return True, p, q
-        residual = np.maximum(p - q, 0.0)
-        if residual.sum() <= 0.0:
-            residual = p
-        q = q.copy()
-        q[x] = 0.0
-        total = q.sum()
-        return False, residual / residual.sum(), q / total if total > 0 else q
+        kept, rest = rejection_step(p, q, x, rng)
+        return kept, rest, q if kept else without(q, x)
 
     def verify(
         self,

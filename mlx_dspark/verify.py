@@ -28,6 +28,32 @@ def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
     return min(index, len(probs) - 1)
 
 
+def rejection_step(
+    p: np.ndarray, q: np.ndarray, x: int, rng: np.random.Generator
+) -> tuple[bool, np.ndarray]:
+    """Keep draft ``x ~ q`` with probability ``min(1, p(x) / q(x))``.
+
+    Returns (kept, the distribution to continue from): ``p`` when kept, else
+    the normalised residual ``max(p - q, 0)`` (``p`` itself when that is empty).
+    The rule of both chain and tree verification.
+    """
+    if rng.random() * q[x] < p[x]:
+        return True, p
+    residual = np.maximum(p - q, 0.0)
+    if residual.sum() <= 0.0:
+        residual = p
+    return False, residual / residual.sum()
+
+
+def without(q: np.ndarray, x: int) -> np.ndarray:
+    """``q`` with ``x`` removed and renormalised: the law of the next draw of a
+    sample without replacement."""
+    q = q.copy()
+    q[x] = 0.0
+    total = q.sum()
+    return q / total if total > 0 else q
+
+
 def accept_greedy(drafts: np.ndarray, target_logits: mx.array) -> Verdict:
     """``target_logits`` is ``[n + 1, V]``: rows for the anchor and each draft."""
     best = np.array(mx.argmax(target_logits, axis=-1))
@@ -57,13 +83,9 @@ def accept_sampled(
         else None
     )
     for i in range(n):
-        x = drafts[i]
-        if rng.random() * q[i, x] < p[i, x]:
-            continue
-        residual = np.maximum(p[i] - q[i], 0.0)
-        if residual.sum() <= 0.0:
-            residual = p[i]
-        return Verdict(i, draw(residual, rng))
+        kept, rest = rejection_step(p[i], q[i], drafts[i], rng)
+        if not kept:
+            return Verdict(i, draw(rest, rng))
     return Verdict(n, draw(p[n], rng))
 
 

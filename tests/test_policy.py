@@ -301,3 +301,25 @@ def test_a_biased_plain_round_is_caught(pair_factory, monkeypatch):
         samples[key] = samples.get(key, 0) + 1
     stat, dof = chi_square(samples, joint, 1500)
     assert stat > chi_square_critical(dof)
+
+
+def test_the_summary_names_the_cached_cost_profile(useless_pair, tmp_path, monkeypatch):
+    from mlx_dspark.generation import format_stats
+    from mlx_dspark.profile import profile_key, profile_path
+
+    model, tokenizer, drafter = useless_pair
+    monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path))
+
+    def summary() -> list[str]:
+        drafter.policy_memory = None
+        responses = list(stream_generate(model, tokenizer, drafter, [1, 2], 8))
+        return format_stats(responses[-1])
+
+    assert not any(line.startswith("Cost profile:") for line in summary())
+    key = profile_key(model, drafter)
+    curve = StepRateCurve([1, 8], [100.0, 25.0], draft_seconds=0.01)
+    curve.meta["key"] = key
+    path = profile_path(key)
+    path.parent.mkdir(parents=True)
+    curve.save(path)
+    assert f"Cost profile: {path}" in summary()

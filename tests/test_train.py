@@ -10,6 +10,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import mlx.optimizers as optim
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
@@ -33,6 +34,7 @@ from mlx_dspark.train import (
 from mlx_dspark.training.batches import make_batch
 from mlx_dspark.training.loss import draft_logits, loss_terms
 from mlx_dspark.training.teacher import OnlineTeacher, TeacherStore
+from mlx_dspark.training.trainer import make_step, schedule
 
 PROMPTS = [[1, 2, 3], [7, 8], [20, 4, 11, 9], [0], [13, 5, 5, 21, 2, 17]]
 
@@ -484,6 +486,37 @@ def test_stored_teacher_loss_equals_on_the_fly(setup, tmp_path, draft_vocab):
         if dtype == "float32":
             for name, g in tree_flatten(got_grads):
                 assert mx.allclose(g, dict(tree_flatten(grads))[name], atol=1e-5), name
+
+
+def test_compiled_step_equals_the_eager_step(setup):
+    """The compiled update (forward, backward, clip, AdamW in one graph) moves
+    the weights as the eager one does, over steps of different batch shapes."""
+    _, _, model, tokenizer, data = setup
+    sequences, _ = load_sequences([data], tokenizer, 64)
+    weights = {}
+    for compiled in (False, True):
+        drafter, target, _ = _tiny_drafter(model)
+        optimizer = optim.AdamW(learning_rate=schedule(3e-3, 4, 1))
+        step = make_step(drafter, optimizer, grad_clip=0.5, compiled=compiled)
+        teacher = OnlineTeacher(target, None)
+        metrics = []
+        for i, chosen in enumerate(([0, 1, 2], [3, 4, 5], [6, 7], [8, 9, 10])):
+            batch = make_batch(
+                [sequences[j] for j in chosen], 8, 5, 31, 4.0,
+                np.random.default_rng(i), None, length=64 if i % 2 else None,
+            )  # fmt: skip
+            metrics.append(step(*teacher(chosen, batch), batch))
+        weights[compiled] = (
+            dict(tree_flatten(drafter.trainable_parameters())),
+            metrics,
+        )
+    (eager, eager_metrics), (fast, fast_metrics) = weights[False], weights[True]
+    assert np.allclose(eager_metrics, fast_metrics, rtol=1e-4, atol=1e-5)
+    start = dict(tree_flatten(_tiny_drafter(model)[0].trainable_parameters()))
+    assert len(eager) > 10
+    assert not all(mx.array_equal(w, start[name]) for name, w in eager.items())
+    for name, w in eager.items():
+        assert mx.allclose(w, fast[name], rtol=1e-4, atol=1e-5), name
 
 
 @pytest.mark.parametrize("head", ["vanilla", "gated", "rnn"])

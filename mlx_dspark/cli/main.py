@@ -17,7 +17,7 @@ import typer
 from .terminal import run_app
 
 # name -> (module in mlx_dspark.cli, one-line help). Every module has
-# ``main(argv, prog)``. A new command (``server``) is one entry here.
+# ``main(argv, prog)``. A new command is one entry here.
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": (
         "generate",
@@ -32,8 +32,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "Compare target-only, mlx-lm speculative and DSpark decoding.",
     ),
     "doctor": ("doctor", "Check the machine: backend, memory, speed, BLAS."),
-    # "server": ("server", "Serve ..."),  # when mlx_dspark/cli/server.py lands; its
-    # main(argv, prog) runs its typer app: app(args=argv, prog_name=prog).
+    "server": ("server", "Serve an OpenAI-compatible API with batched DSpark."),
 }
 
 

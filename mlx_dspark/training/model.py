@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict, is_dataclass
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..config import DraftConfig
-from ..drafter import DraftAttention, DraftLayer, DSparkDrafter
+from ..drafter import DraftAttention, DraftLayer, DSparkDrafter, Gemma4DraftLayer
 from ..errors import DSparkError
 from ..target import TargetAdapter
 
@@ -35,7 +37,16 @@ def drafter_config(
     mask_token_id: int,
     draft_vocab_size: int | None = None,
 ) -> DraftConfig:
-    """The target's config plus the DSpark keys, as DeepSpec writes it."""
+    """The target's config plus the DSpark keys, as DeepSpec writes it.
+
+    A Gemma-4 target gets a ``Gemma4DSparkModel`` (see :func:`gemma4_config`)."""
+    if adapter.is_gemma4:
+        return gemma4_config(
+            target_config, adapter, layers=layers, block_size=block_size,
+            markov_head=markov_head, markov_rank=markov_rank, anchors=anchors,
+            confidence=confidence, mask_token_id=mask_token_id,
+            draft_vocab_size=draft_vocab_size,
+        )  # fmt: skip
     config = {
         k: v
         for k, v in target_config.items()
@@ -68,6 +79,69 @@ def drafter_config(
     return DraftConfig.from_dict(config)
 
 
+# What DeepSpec's Gemma-4 drafter reads from the text config beyond mlx-lm's
+# arguments, with the values of Hugging Face's Gemma-4 text config.
+_GEMMA4_HF_DEFAULTS = {
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "initializer_range": 0.02,
+}
+
+
+def gemma4_config(
+    target_config: dict,
+    adapter: TargetAdapter,
+    *,
+    layers: int,
+    block_size: int,
+    markov_head: str,
+    markov_rank: int,
+    anchors: int,
+    confidence: bool,
+    mask_token_id: int,
+    draft_vocab_size: int | None = None,
+) -> DraftConfig:
+    """DeepSpec's ``Gemma4DSparkModel`` config for a Gemma-4 target: the
+    target's text config (with mlx-lm's defaults filled in, so that global
+    head dim, RoPE parameters and soft-capping are explicit), dense layers of
+    full attention without per-layer inputs, and the DSpark keys."""
+    text = target_config
+    if adapter.model_type == "gemma4":
+        text = target_config.get("text_config") or {}
+    args = getattr(adapter.text, "args", None)
+    config = {
+        **_GEMMA4_HF_DEFAULTS,
+        **text,
+        **(asdict(args) if is_dataclass(args) else {}),
+    }
+    for key in ("quantization", "quantization_config", "layer_types"):
+        config.pop(key, None)
+    rank = 0 if markov_head == "none" else markov_rank
+    config.update(
+        architectures=["Gemma4DSparkModel"],
+        target_model_type=adapter.model_type,
+        target_text_model_type=config.get("model_type", "gemma4_text"),
+        num_hidden_layers=layers,
+        num_target_layers=adapter.num_layers,
+        enable_moe_block=False,
+        hidden_size_per_layer_input=0,
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        target_layer_ids=list(adapter.layer_ids),
+        num_anchors=anchors,
+        markov_rank=rank,
+        markov_head_type=markov_head if rank else "vanilla",
+        enable_confidence_head=confidence,
+        confidence_head_with_markov=bool(confidence and rank),
+        tie_word_embeddings=False,
+        layer_types=["full_attention"] * layers,
+    )
+    if draft_vocab_size is not None:
+        config["draft_vocab_size"] = draft_vocab_size
+    return DraftConfig.from_dict(config)
+
+
 def new_drafter(
     config: DraftConfig,
     target: TargetAdapter,
@@ -93,6 +167,10 @@ def new_drafter(
         drafter.freeze(keys=["lm_head"], recurse=True)
     else:
         drafter.share_embeddings(target.embed, target.lm_head)
+    if config.is_gemma4:
+        # DeepSpec's layer_scalar is a buffer of ones, never trained.
+        for layer in drafter.layers:
+            layer.freeze(keys=["layer_scalar"], recurse=False)
     if init_from_target:
         copy_target_layers(drafter, target)
     drafter.update(
@@ -125,21 +203,29 @@ _LAYER_PARTS = (
     "input_layernorm",
     "post_attention_layernorm",
 )
+# Gemma-4's sandwich norms (its layer_scalar stays DeepSpec's ones).
+_GEMMA4_LAYER_PARTS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 
 def copy_target_layers(drafter: DSparkDrafter, target: TargetAdapter) -> None:
     """Start draft layer ``i`` of ``n`` from target layer ``L - n + i``.
 
     Every weight of the same shape is copied (dequantized); parts the target
-    layer lacks (``q_norm``/``k_norm`` in Llama) keep their initialisation.
+    layer lacks (``q_norm``/``k_norm`` in Llama; ``k_proj``/``v_proj`` in
+    Gemma-4's KV-shared layers) or holds in another shape (Gemma-4's
+    sliding-window attention, whose heads are narrower than the drafter's
+    global ones) keep their initialisation.
     """
     layers = drafter.layers
     sources = target.layers[len(target.layers) - len(layers) :]
     if len(sources) < len(layers):
         raise DSparkError("--init-from-target needs as many target layers as drafts.")
+    parts = _LAYER_PARTS
+    if drafter.config.is_gemma4:
+        parts = _LAYER_PARTS + _GEMMA4_LAYER_PARTS
     copied = 0
     for layer, source in zip(layers, sources, strict=True):
-        for path in _LAYER_PARTS:
+        for path in parts:
             mine, theirs = _module(layer, path), _module(source, path)
             if mine is None or theirs is None:
                 continue
@@ -166,9 +252,10 @@ def _module(root: nn.Module, path: str) -> nn.Module | None:
 
 
 def head_weight(target: TargetAdapter) -> mx.array:
-    """The target's LM head matrix ``[vocab, hidden]`` (tied or not), dense."""
-    if "lm_head" in target.model:
-        return dense_weight(target.model.lm_head)
+    """The target's LM head matrix ``[vocab, hidden]`` (tied or not), dense;
+    a Gemma-4 wrapper's is its text model's."""
+    if "lm_head" in target.text:
+        return dense_weight(target.text.lm_head)
     return dense_weight(target.inner.embed_tokens)
 
 
@@ -213,8 +300,9 @@ def training_hidden(
     visible = mx.arange(S)[None, None, :] < anchors[..., None]  # [N, A, S]
     context = drafter.hidden_norm(drafter.fc(features))
     h = drafter.embed(blocks.reshape(N * A, B))
+    block = _gemma4_layer if drafter.config.is_gemma4 else _layer
     for layer in drafter.layers:
-        h = _layer(layer, h, offsets, context, visible)
+        h = block(layer, h, offsets, context, visible)
     return drafter.norm(h)
 
 
@@ -229,6 +317,23 @@ def _layer(
         layer.self_attn, layer.input_layernorm(x), offsets, context, visible
     )
     return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def _gemma4_layer(
+    layer: Gemma4DraftLayer,
+    x: mx.array,
+    offsets: mx.array,
+    context: mx.array,
+    visible: mx.array,
+) -> mx.array:
+    """``Gemma4DraftLayer``: sandwich norms and ``layer_scalar``; its attention
+    (K = V, value norm, scale 1) is in the layer's own ``key_values``/``scale``."""
+    h = _attention(layer.self_attn, layer.input_layernorm(x), offsets, context, visible)
+    h = x + layer.post_attention_layernorm(h)
+    h = h + layer.post_feedforward_layernorm(
+        layer.mlp(layer.pre_feedforward_layernorm(h))
+    )
+    return h * layer.layer_scalar
 
 
 def _attention(

@@ -79,10 +79,13 @@ class OnlineTeacher:
         """Features ``[N, S, F]``, target probabilities ``[N * A, B, V]`` and
         outside mass ``[N * A, B]`` for a batch."""
         hidden, features = self.target.hidden(batch.tokens, self.target.make_cache())
-        probs, outside = target_distribution(
-            self.target, _gather(hidden, batch.positions), self.draft_ids
+        # Once per token, then gathered: a token is in up to B blocks.
+        probs, outside = target_distribution(self.target, hidden, self.draft_ids)
+        out = (
+            features.astype(mx.float32),
+            _gather(probs, batch.positions),
+            _gather(outside, batch.positions),
         )
-        out = features.astype(mx.float32), probs, outside
         mx.eval(*out)
         return out
 

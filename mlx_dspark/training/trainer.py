@@ -7,7 +7,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -47,22 +47,42 @@ def schedule(lr: float, total: int, warmup: int):
 
 
 def make_step(
-    drafter: DSparkDrafter, optimizer: optim.Optimizer, grad_clip: float
+    drafter: DSparkDrafter,
+    optimizer: optim.Optimizer,
+    grad_clip: float,
+    compiled: bool = True,
 ) -> Callable[[mx.array, mx.array, mx.array, Batch], list[float]]:
-    """One update from a batch and its teacher; returns the metrics."""
+    """One update from a batch and its teacher; returns the metrics.
+
+    ``compiled`` traces the whole update (forward, backward, clip, AdamW) into
+    one graph per batch shape with ``mx.compile``, the drafter's and the
+    optimizer's state as its inputs and outputs, as mlx-lm's trainer does; it
+    computes the same update as the eager one.
+    """
     loss_and_grad = nn.value_and_grad(drafter, loss_terms)
 
-    def step(
-        features: mx.array, target_p: mx.array, outside: mx.array, batch: Batch
-    ) -> list[float]:
+    def update(features, target_p, outside, *arrays):
+        batch = Batch(*arrays, supervised=0)
         (loss, terms), grads = loss_and_grad(
             drafter, features, target_p, outside, batch
         )
         if grad_clip > 0:
             grads, _ = optim.clip_grad_norm(grads, grad_clip)
         optimizer.update(drafter, grads)
-        mx.eval(drafter.parameters(), optimizer.state, loss, terms)
-        return [loss.item(), *(t.item() for t in terms)]
+        return loss, *terms
+
+    if compiled:
+        optimizer.init(drafter.trainable_parameters())
+        state = [drafter.state, optimizer.state]
+        update = mx.compile(update, inputs=state, outputs=state)
+
+    def step(
+        features: mx.array, target_p: mx.array, outside: mx.array, batch: Batch
+    ) -> list[float]:
+        arrays = [getattr(batch, f.name) for f in fields(Batch)][:-1]
+        metrics = update(features, target_p, outside, *arrays)
+        mx.eval(drafter.parameters(), optimizer.state, metrics)
+        return [m.item() for m in metrics]
 
     return step
 

@@ -1,0 +1,193 @@
+"""``mlx_dspark.server``: an OpenAI-compatible server with batched DSpark decoding.
+
+Concurrent requests share one target forward per step; Algorithm 1 decides
+how many drafts of each request it verifies (see :mod:`mlx_dspark.serving`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import typer
+
+from ..errors import DSparkError
+from ..sampling import SamplingParams
+from .terminal import run_app
+
+
+def _cli(
+    model: str | None = typer.Option(
+        None,
+        "--model",
+        help="Target model path or repo (default: the built-in default pair).",
+    ),
+    draft_model: str | None = typer.Option(
+        None, "--draft-model", help="DSpark drafter path or repo for --model."
+    ),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+    port: int = typer.Option(8080, "--port", help="Port to listen on."),
+    dspark_n_draft: int | None = typer.Option(
+        None,
+        "--dspark-n-draft",
+        help="Drafts per request per step at most (default: the drafter's block "
+        "size); 0 serves plain batched decoding.",
+    ),
+    dspark_adaptive: bool = typer.Option(
+        True,
+        "--dspark-adaptive/--no-dspark-adaptive",
+        help="Skip drafting in steps where the measured costs and acceptance "
+        "say it does not pay (drafting is re-tried every few steps).",
+        metavar="",
+    ),
+    max_batch: int = typer.Option(
+        8, "--decode-concurrency", help="Requests decoded together; more wait."
+    ),
+    temp: float = typer.Option(0.0, "--temp", help="Default sampling temperature."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Default top-p."),
+    top_k: int = typer.Option(0, "--top-k", help="Default top-k (0: off)."),
+    min_p: float = typer.Option(0.0, "--min-p", help="Default min-p (0: off)."),
+    max_tokens: int = typer.Option(
+        512, "--max-tokens", help="Default max_tokens of a request."
+    ),
+    context_length: int | None = typer.Option(
+        None,
+        "--context-length",
+        help="Longest prompt plus completion (default: the model's "
+        "max_position_embeddings, else 4096).",
+    ),
+    prefill_step_size: int = typer.Option(
+        512, "--prefill-step-size", help="Prompt tokens per prefill forward."
+    ),
+    chat_template_args: str = typer.Option(
+        "{}", "--chat-template-args", help="JSON object passed to the chat template."
+    ),
+    allowed_origins: str = typer.Option(
+        "*", "--allowed-origins", help="Comma-separated CORS origins ('*': any)."
+    ),
+    dspark_profile: str = typer.Option(
+        "auto",
+        "--dspark-profile",
+        help="Cost profile the scheduler starts from: auto (the cached one, if "
+        "any), refresh (measure it now), none. The server refines it with "
+        "its own measured step times either way.",
+    ),
+    adapter_path: str | None = typer.Option(
+        None, "--adapter-path", help="LoRA/DoRA adapters for the target."
+    ),
+    trust_remote_code: bool = typer.Option(
+        False,
+        "--trust-remote-code",
+        help="Trust the tokenizer's remote code.",
+        metavar="",
+    ),
+    log_level: str = typer.Option("INFO", "--log-level", help="Python logging level."),
+) -> None:
+    """Serve /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics."""
+    from ..loading import load
+    from ..profile import get_profile, load_profile
+    from ..serving import BatchEngine, EngineConfig, ServerSettings, make_server
+
+    level = getattr(logging, log_level.upper(), None)
+    if not isinstance(level, int):
+        raise DSparkError(f"--log-level {log_level!r} is not a logging level.")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(message)s")
+    if model is None and draft_model is not None:
+        raise DSparkError("--draft-model needs --model (the target it drafts for).")
+    if model is not None and draft_model is None:
+        raise DSparkError("--model needs a DSpark --draft-model.")
+    if max_batch < 1:
+        raise DSparkError(f"--decode-concurrency must be at least 1, got {max_batch}.")
+    if prefill_step_size < 1:
+        raise DSparkError(
+            f"--prefill-step-size must be at least 1, got {prefill_step_size}."
+        )
+    if max_tokens < 1:
+        raise DSparkError(f"--max-tokens must be at least 1, got {max_tokens}.")
+    if not 0 < port < 65536:
+        raise DSparkError(f"--port must be in 1..65535, got {port}.")
+    SamplingParams(temp, top_p, top_k, min_p)  # refuses bad defaults
+    try:
+        template_args = json.loads(chat_template_args)
+        if not isinstance(template_args, dict):
+            raise ValueError
+    except ValueError:
+        raise DSparkError("--chat-template-args must be a JSON object.") from None
+    if dspark_profile not in ("auto", "refresh", "none"):
+        raise DSparkError(
+            f"--dspark-profile must be auto, refresh or none, got {dspark_profile!r}."
+        )
+    loaded, tokenizer, drafter = load(
+        model,
+        draft_model,
+        adapter_path=adapter_path,
+        trust_remote_code=trust_remote_code,
+    )
+    if model is None:
+        print(
+            "No --model given: serving the built-in default pair, "
+            "SmolLM2-135M-Instruct with the shipped DSpark drafter.",
+            file=sys.stderr,
+        )
+    block = drafter.block_size
+    if dspark_n_draft is not None and not 0 <= dspark_n_draft <= block:
+        raise DSparkError(
+            f"--dspark-n-draft must be between 0 and the drafter's block size "
+            f"{block}, got {dspark_n_draft}."
+        )
+    if context_length is None:
+        args = getattr(loaded, "args", None)
+        context_length = int(getattr(args, "max_position_embeddings", 0) or 4096)
+    prior = None
+    if dspark_profile == "auto":
+        prior = load_profile(loaded, drafter)
+    elif dspark_profile == "refresh":
+        prior = get_profile(loaded, drafter, "refresh")
+    engine = BatchEngine(
+        loaded,
+        tokenizer,
+        drafter,
+        EngineConfig(
+            num_draft=dspark_n_draft,
+            adaptive=dspark_adaptive,
+            max_batch=max_batch,
+            prefill_step_size=prefill_step_size,
+            prior=prior,
+        ),
+    )
+    settings = ServerSettings(
+        model_name=model or "default_model",
+        context_length=context_length,
+        max_tokens=max_tokens,
+        temperature=temp,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        chat_template_args=template_args,
+        allowed_origins=tuple(o.strip() for o in allowed_origins.split(",")),
+    )
+    try:
+        server = make_server(engine, tokenizer, settings, host, port)
+    except OSError as error:
+        engine.stop()
+        raise DSparkError(
+            f"Cannot listen on {host}:{port}: {error.strerror}."
+        ) from None
+    print(f"Serving on http://{host}:{server.server_address[1]}", file=sys.stderr)
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+        engine.stop()
+
+
+def main(argv: list[str] | None = None, prog: str = "mlx_dspark.server") -> None:
+    """Run the server; user errors and bad flags end with one sentence."""
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    app.command()(_cli)
+    run_app(app, argv, prog)
+
+
+if __name__ == "__main__":
+    main()

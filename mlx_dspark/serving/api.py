@@ -1,0 +1,689 @@
+"""OpenAI-compatible HTTP front end of :class:`~mlx_dspark.serving.engine.BatchEngine`.
+
+Request and response shapes follow OpenAI's API as ``mlx_lm.server`` serves
+it: ``POST /v1/chat/completions`` and ``/v1/completions`` (server-sent events
+when ``stream`` is true), ``GET /v1/models``, ``/health`` and ``/metrics``
+(Prometheus text). Standard library only: a threading HTTP server whose
+handler threads tokenize, queue the request on the engine and write what it
+commits; all MLX work stays on the engine thread. Bad input gets a JSON error
+with status 400 and never reaches the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import queue
+import select
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from ..errors import DSparkError
+from ..sampling import SamplingParams
+from ..telemetry import render_prometheus
+from .engine import BatchEngine, Event, GenerationRequest, RequestHandle
+
+logger = logging.getLogger("mlx_dspark.server")
+
+
+UNSUPPORTED = (
+    "logit_bias",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+class BadRequest(Exception):
+    """Invalid client input: becomes an OpenAI-style error with status 400."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class ServerSettings:
+    """What the handlers need besides the engine: defaults for omitted fields."""
+
+    model_name: str = "default_model"
+    context_length: int = 4096
+    max_tokens: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    chat_template_args: dict = field(default_factory=dict)
+    allowed_origins: tuple[str, ...] = ("*",)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+@dataclass
+class ParsedRequest:
+    request: GenerationRequest
+    stream: bool
+    include_usage: bool
+    stop: list[str]
+    chat: bool
+    model: str
+
+
+def _number(
+    body: dict, name: str, default: float, low=None, high=None, *, open_low=False
+):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise BadRequest(f"{name} must be a number.", name)
+    value = float(value)
+    if not math.isfinite(value):
+        raise BadRequest(f"{name} must be a finite number.", name)
+    if low is not None and (value <= low if open_low else value < low):
+        raise BadRequest(f"{name} must be {'>' if open_low else '>='} {low}.", name)
+    if high is not None and value > high:
+        raise BadRequest(f"{name} must be <= {high}.", name)
+    return value
+
+
+def _integer(body: dict, name: str, default, low=None):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(f"{name} must be an integer.", name)
+    if low is not None and value < low:
+        raise BadRequest(f"{name} must be >= {low}.", name)
+    return value
+
+
+def _content_text(content, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise BadRequest(
+                    f"{where}: only text content parts are supported.", "messages"
+                )
+            if not isinstance(part.get("text"), str):
+                raise BadRequest(
+                    f"{where}: a text part needs a string text.", "messages"
+                )
+            parts.append(part["text"])
+        return "".join(parts)
+    raise BadRequest(
+        f"{where}: content must be a string or a list of parts.", "messages"
+    )
+
+
+def _plain_chat(messages: list[dict]) -> str:
+    """The chat format mlx-lm's server uses for tokenizers without a template."""
+    prefixes = {
+        "system": "ASSISTANT's RULE: ",
+        "user": "USER: ",
+        "assistant": "ASSISTANT: ",
+    }
+    text = (
+        "A chat between a curious user and an artificial intelligence assistant. "
+        "The assistant follows the given rules no matter what.\n"
+    )
+    for m in messages:
+        text += f"{prefixes.get(m['role'], '')}{m['content']}\n"
+    return (text + "ASSISTANT: ").rstrip()
+
+
+def chat_prompt(tokenizer, body: dict, template_args: dict) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list.", "messages")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadRequest(
+                f"messages[{i}] must be an object with a string role.", "messages"
+            )
+        clean.append(
+            {**m, "content": _content_text(m.get("content"), f"messages[{i}]")}
+        )
+    if getattr(tokenizer, "has_chat_template", False) and tokenizer.chat_template:
+        kwargs = dict(template_args)
+        extra = body.get("chat_template_kwargs")
+        if extra is not None:
+            if not isinstance(extra, dict):
+                raise BadRequest("chat_template_kwargs must be an object.")
+            kwargs.update(extra)
+        tools = body.get("tools") or None
+        try:
+            ids = tokenizer.apply_chat_template(
+                clean, tools=tools, add_generation_prompt=True, tokenize=True, **kwargs
+            )
+        except Exception as error:
+            raise BadRequest(f"The chat template failed: {error}", "messages") from None
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+    return list(tokenizer.encode(_plain_chat(clean)))
+
+
+def text_prompt(tokenizer, body: dict) -> list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        bos = getattr(tokenizer, "bos_token", None)
+        return list(
+            tokenizer.encode(
+                prompt, add_special_tokens=bos is None or not prompt.startswith(bos)
+            )
+        )
+    if isinstance(prompt, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    ):
+        return list(prompt)
+    raise BadRequest("prompt must be a string or a list of token ids.", "prompt")
+
+
+def parse_request(
+    body, chat: bool, tokenizer, settings: ServerSettings, vocab_size: int
+) -> ParsedRequest:
+    """Check a completion request's fields and tokenize it; BadRequest if invalid."""
+    if not isinstance(body, dict):
+        raise BadRequest("The request body must be a JSON object.")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("stream must be a boolean.", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise BadRequest("stream_options must be an object.", "stream_options")
+    name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    max_tokens = _integer(body, name, settings.max_tokens)
+    if max_tokens < 1:
+        raise BadRequest(f"{name} must be at least 1.", name)
+    temperature = _number(body, "temperature", settings.temperature, 0.0)
+    top_p = _number(body, "top_p", settings.top_p, 0.0, 1.0, open_low=True)
+    top_k = _integer(body, "top_k", settings.top_k, 0)
+    min_p = _number(body, "min_p", settings.min_p, 0.0, 1.0)
+    seed = _integer(body, "seed", None)
+    xtc_probability = _number(body, "xtc_probability", 0.0, 0.0, 1.0)
+    xtc_threshold = _number(body, "xtc_threshold", 0.1, 0.0, 0.5)
+    # Logit processors the lossless verification does not apply: refused
+    # rather than silently ignored.
+    for name in UNSUPPORTED:
+        value = body.get(name)
+        if value not in (None, 0, 0.0, 1.0 if name == "repetition_penalty" else 0, {}):
+            raise BadRequest(f"{name} is not supported by this server.", name)
+    if _integer(body, "n", 1) != 1:
+        raise BadRequest("Only n = 1 completion per request is supported.", "n")
+    logprobs = body.get("logprobs", False)
+    if logprobs is None:
+        logprobs = False
+    if isinstance(logprobs, bool):
+        pass
+    elif isinstance(logprobs, int) and logprobs >= 0 and not chat:
+        logprobs = logprobs > 0  # completions: a count; the chosen token's only
+    else:
+        raise BadRequest("logprobs must be a boolean.", "logprobs")
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise BadRequest("stop must be a string or a list of strings.", "stop")
+    stop = [s for s in stop if s]
+    model = body.get("model", settings.model_name)
+    if not isinstance(model, str):
+        raise BadRequest("model must be a string.", "model")
+    prompt = (
+        chat_prompt(tokenizer, body, settings.chat_template_args)
+        if chat
+        else text_prompt(tokenizer, body)
+    )
+    if not prompt:
+        raise BadRequest("The prompt is empty.", "messages" if chat else "prompt")
+    if any(not 0 <= t < vocab_size for t in prompt):
+        raise BadRequest(f"Prompt token ids must lie in 0..{vocab_size - 1}.", "prompt")
+    if len(prompt) >= settings.context_length:
+        raise BadRequest(
+            f"The prompt has {len(prompt)} tokens; this model's context is "
+            f"{settings.context_length} tokens.",
+            "messages" if chat else "prompt",
+        )
+    max_tokens = min(max_tokens, settings.context_length - len(prompt))
+    special = tuple(tokenizer.encode("\n")) + tuple(tokenizer.eos_token_ids)
+    try:
+        params = SamplingParams(
+            temperature,
+            top_p,
+            top_k,
+            min_p,
+            xtc_probability=xtc_probability,
+            xtc_threshold=xtc_threshold,
+            xtc_special_tokens=tuple(int(t) for t in special),
+        )
+    except DSparkError as error:
+        raise BadRequest(str(error)) from None
+    request = GenerationRequest(prompt, params, max_tokens, seed, logprobs)
+    return ParsedRequest(
+        request, stream, bool(options.get("include_usage")), stop, chat, model
+    )
+
+
+class StopText:
+    """Detokenized text with stop strings cut out.
+
+    ``push`` returns the text that is safe to send: everything before a stop
+    string, and never a tail that could still become one.
+    """
+
+    def __init__(self, stop: list[str]):
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.pending = ""
+        self.stopped = False
+
+    def push(self, text: str, final: bool = False) -> str:
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            out, self.pending, self.stopped = self.pending[: min(hits)], "", True
+            return out
+        keep = 0 if final else min(self.hold, len(self.pending))
+        cut = len(self.pending) - keep
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out
+
+
+def error_body(message: str, param: str | None = None, kind="invalid_request_error"):
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+def _client_gone(sock: socket.socket) -> bool:
+    """Whether the client closed its end (readable with nothing to read)."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        if not readable:
+            return False
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except (OSError, ValueError):
+        return True
+
+
+class APIHandler(BaseHTTPRequestHandler):
+    """One HTTP request; ``server`` is a :class:`DSparkHTTPServer`."""
+
+    protocol_version = "HTTP/1.1"
+    server: DSparkHTTPServer
+
+    def log_message(self, format, *args):  # noqa: A002 (the base class's name)
+        logger.debug("%s - %s", self.address_string(), format % args)
+
+    # -- plumbing ----------------------------------------------------------
+
+    def _headers(
+        self,
+        status: int,
+        content_type: str,
+        length: int | None = None,
+        close: bool = False,
+    ):
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        if close:
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Connection", "close")
+        origins = self.server.settings.allowed_origins
+        origin = self.headers.get("Origin")
+        if "*" in origins:
+            self.send_header("Access-Control-Allow-Origin", "*")
+        elif origin in origins:
+            self.send_header("Access-Control-Allow-Origin", origin)
+            self.send_header("Vary", "Origin")
+        self.send_header("Access-Control-Allow-Methods", "*")
+        self.send_header("Access-Control-Allow-Headers", "*")
+        if length is not None:
+            self.send_header("Content-Length", str(length))
+        self.end_headers()
+
+    def _send_json(self, status: int, payload: dict) -> None:
+        data = json.dumps(payload).encode()
+        self._headers(status, "application/json", len(data))
+        self.wfile.write(data)
+        self.wfile.flush()
+
+    def _send_text(self, status: int, text: str, content_type: str) -> None:
+        data = text.encode()
+        self._headers(status, content_type, len(data))
+        self.wfile.write(data)
+        self.wfile.flush()
+
+    def do_OPTIONS(self):
+        self._headers(204, "application/json", 0)
+
+    def do_GET(self):
+        path = self.path.split("?", 1)[0]
+        if path in ("/v1/models", "/models"):
+            settings = self.server.settings
+            model = {
+                "id": settings.model_name,
+                "object": "model",
+                "created": settings.created,
+                "owned_by": "mlx_dspark",
+            }
+            self._send_json(200, {"object": "list", "data": [model]})
+        elif path == "/health":
+            ok = self.server.engine.alive
+            self._send_json(
+                200 if ok else 503, {"status": "ok" if ok else "unavailable"}
+            )
+        elif path == "/metrics":
+            self._send_text(
+                200, metrics_text(self.server.engine), "text/plain; version=0.0.4"
+            )
+        else:
+            self._send_json(404, error_body(f"Not found: {path}", kind="not_found"))
+
+    def do_POST(self):
+        path = self.path.split("?", 1)[0]
+        routes = {
+            "/v1/completions": False,
+            "/completions": False,
+            "/v1/chat/completions": True,
+            "/chat/completions": True,
+        }
+        length = self.headers.get("Content-Length")
+        try:
+            length = int(length)
+            if length < 0:
+                raise ValueError
+        except (TypeError, ValueError):
+            self.close_connection = True
+            self._send_json(
+                411, error_body("A valid Content-Length header is required.")
+            )
+            return
+        raw = self.rfile.read(length)
+        if path not in routes:
+            self._send_json(404, error_body(f"Not found: {path}", kind="not_found"))
+            return
+        engine = self.server.engine
+        if not engine.alive:
+            self._send_json(
+                503,
+                error_body(
+                    "The generation engine is not running.", kind="server_error"
+                ),
+            )
+            return
+        try:
+            try:
+                body = json.loads(raw.decode())
+            except (UnicodeDecodeError, json.JSONDecodeError) as error:
+                raise BadRequest(f"Invalid JSON in the request body: {error}") from None
+            parsed = parse_request(
+                body,
+                routes[path],
+                self.server.tokenizer,
+                self.server.settings,
+                engine.target.vocab_size,
+            )
+        except BadRequest as error:
+            self._send_json(400, error_body(str(error), error.param))
+            return
+        handle = engine.submit(parsed.request)
+        try:
+            self._respond(parsed, handle)
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            logger.info("client went away; request cancelled")
+            self.close_connection = True
+        finally:
+            handle.cancel()
+
+    # -- completions -------------------------------------------------------
+
+    def _events(self, handle: RequestHandle):
+        """The request's events; cancels it when the client disconnects."""
+        while True:
+            try:
+                event = handle.events.get(timeout=0.05)
+            except queue.Empty:
+                if not self.server.engine.alive:
+                    event = Event([], finish_reason="error", error="engine stopped")
+                    yield event
+                    return
+                if _client_gone(self.connection):
+                    handle.cancel()
+                    raise ConnectionResetError("client disconnected") from None
+                continue
+            yield event
+            if event.finish_reason is not None:
+                return
+
+    def _respond(self, parsed: ParsedRequest, handle: RequestHandle) -> None:
+        tokenizer = self.server.tokenizer
+        detokenizer = tokenizer.detokenizer
+        stop = StopText(parsed.stop)
+        rid = ("chatcmpl-" if parsed.chat else "cmpl-") + str(uuid.uuid4())
+        created = int(time.time())
+        kind = "chat.completion" if parsed.chat else "text_completion"
+        if parsed.stream and parsed.chat:
+            kind = "chat.completion.chunk"
+
+        def payload(text, finish, tokens=(), logprobs=None, usage=None):
+            choice = {"index": 0, "finish_reason": finish}
+            if logprobs is not None:
+                choice["logprobs"] = {
+                    "content": [
+                        {"id": t, "token": tokenizer.decode([t]), "logprob": g}
+                        for t, g in zip(tokens, logprobs, strict=True)
+                    ]
+                }
+            if parsed.chat:
+                key = "delta" if parsed.stream else "message"
+                choice[key] = {"role": "assistant"}
+                if not parsed.stream or text:
+                    choice[key]["content"] = text if (text or parsed.stream) else None
+            else:
+                choice["text"] = text
+            out = {
+                "id": rid,
+                "object": kind,
+                "created": created,
+                "model": parsed.model,
+                "system_fingerprint": "mlx_dspark",
+                "choices": [choice],
+            }
+            if usage is not None:
+                out["usage"] = usage
+            return out
+
+        if parsed.stream:
+            # No length is known in advance: the stream ends with the connection.
+            self.close_connection = True
+            self._headers(200, "text/event-stream", close=True)
+
+        def send(data: dict) -> None:
+            self.wfile.write(f"data: {json.dumps(data)}\n\n".encode())
+            self.wfile.flush()
+
+        text, tokens, logprobs = "", [], []
+        finish, usage = None, None
+        events = self._events(handle)
+        for event in events:
+            event: Event
+            new = ""
+            for token in event.tokens:
+                detokenizer.add_token(token)
+                new += detokenizer.last_segment
+            if event.finish_reason is not None:
+                detokenizer.finalize()
+                new += detokenizer.last_segment
+            tokens += event.tokens
+            if event.logprobs is not None:
+                logprobs += event.logprobs
+            piece = stop.push(new, final=event.finish_reason is not None)
+            if event.finish_reason is not None:
+                finish, usage = event.finish_reason, event.usage
+            if stop.stopped:
+                finish = "stop"
+                handle.cancel("stop")
+            if parsed.stream and piece:
+                lps = event.logprobs if parsed.request.logprobs else None
+                if lps is not None and len(lps) != len(event.tokens):
+                    lps = None
+                send(payload(piece, None, event.tokens, lps))
+            text += piece
+            if stop.stopped:
+                break
+        if stop.stopped:
+            # Cut by a stop string: the engine's statistics (it leaves at its
+            # next step), the tokens up to the stop.
+            for event in events:
+                usage = event.usage
+            usage = dict(usage or {})
+            usage["prompt_tokens"] = len(parsed.request.prompt)
+            usage["completion_tokens"] = len(tokens)
+            usage["total_tokens"] = len(parsed.request.prompt) + len(tokens)
+        if finish == "error":
+            message = "generation failed"
+            if parsed.stream:
+                send(error_body(message, kind="server_error"))
+                self.wfile.write(b"data: [DONE]\n\n")
+                return
+            self._send_json(500, error_body(message, kind="server_error"))
+            return
+        if finish == "cancelled":
+            finish = "length"
+        if parsed.stream:
+            send(payload("", finish))
+            if parsed.include_usage:
+                final = payload("", None, usage=usage)
+                final["choices"] = []
+                send(final)
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+            return
+        lps = logprobs if parsed.request.logprobs else None
+        if lps is not None and len(lps) != len(tokens):
+            lps = None
+        self._send_json(200, payload(text, finish, tokens, lps, usage))
+
+
+def metrics_text(engine: BatchEngine) -> str:
+    """Prometheus text: the scheduler's DSpark metrics and the server's own."""
+    s = engine.stats
+    lines = [render_prometheus(engine.telemetry).rstrip("\n")]
+    for name, kind, help_text, value in (
+        ("dspark_server_requests_total", "counter", "Requests received.", s.requests),
+        (
+            "dspark_server_requests_finished_total",
+            "counter",
+            "Requests finished.",
+            s.finished,
+        ),
+        (
+            "dspark_server_requests_cancelled_total",
+            "counter",
+            "Requests cancelled or disconnected.",
+            s.cancelled,
+        ),
+        (
+            "dspark_server_requests_failed_total",
+            "counter",
+            "Requests that failed.",
+            s.failed,
+        ),
+        (
+            "dspark_server_active_requests",
+            "gauge",
+            "Requests in the running batch.",
+            s.active,
+        ),
+        (
+            "dspark_server_waiting_requests",
+            "gauge",
+            "Requests waiting to join the batch.",
+            s.waiting,
+        ),
+        (
+            "dspark_server_target_forwards_total",
+            "counter",
+            "Batched target verification forwards.",
+            s.target_forwards,
+        ),
+        (
+            "dspark_server_request_rounds_total",
+            "counter",
+            "Request rounds verified (sum of batch sizes).",
+            s.request_rounds,
+        ),
+        (
+            "dspark_server_max_batch_size",
+            "gauge",
+            "Largest batch verified in one forward.",
+            s.max_batch,
+        ),
+        (
+            "dspark_server_prompt_tokens_total",
+            "counter",
+            "Prompt tokens prefilled.",
+            s.prompt_tokens,
+        ),
+        (
+            "dspark_server_generated_tokens_total",
+            "counter",
+            "Tokens generated.",
+            s.generated_tokens,
+        ),
+    ):
+        lines += [
+            f"# HELP {name} {help_text}",
+            f"# TYPE {name} {kind}",
+            f"{name} {value}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+class DSparkHTTPServer(ThreadingHTTPServer):
+    """A threading HTTP server holding the engine, tokenizer and settings."""
+
+    daemon_threads = True
+
+    def __init__(
+        self, address, engine: BatchEngine, tokenizer, settings: ServerSettings
+    ):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.settings = settings
+        super().__init__(address, APIHandler)
+
+
+def make_server(
+    engine: BatchEngine,
+    tokenizer,
+    settings: ServerSettings | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+) -> DSparkHTTPServer:
+    """Bind the server (port 0 picks a free one); start the engine if needed.
+
+    Call ``serve_forever()`` on the result; ``shutdown()`` and
+    ``engine.stop()`` end it.
+    """
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    if not engine.alive:
+        engine.start()
+    return DSparkHTTPServer(
+        (host, port), engine, tokenizer, settings or ServerSettings()
+    )

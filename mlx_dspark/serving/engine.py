@@ -1,0 +1,700 @@
+"""Batched speculative decoding for a server: many requests, one target forward.
+
+Requests join the running batch as they arrive. Each step drafts a block for
+every active request, Algorithm 1 (:meth:`SchedulerPolicy.draft_lengths`, one
+call over the whole batch, with each request's calibrated survival and the
+measured cost of batched target steps) decides how many drafts of each request
+to verify, and one :meth:`TargetAdapter.forward_batch` verifies them all. Each
+request keeps its own caches, sampling parameters and random streams, and
+accepts with the package's own rule (:func:`~mlx_dspark.loop.settle_chain`),
+so its tokens are what it would get alone: greedy identical, sampled exact.
+
+All MLX work happens on the engine's one thread; callers talk to it through
+:class:`RequestHandle` queues. This module never prints.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..drafter import DSparkDrafter, Proposal
+from ..loop import RoundStats, first_token, settle_chain
+from ..memory import MemoryGuard
+from ..policies import SchedulerPolicy, telemetry_for
+from ..sampling import SamplingParams
+from ..scheduler import SchedulerSettings, StepRateCurve
+from ..target import TargetAdapter
+from ..telemetry import Telemetry
+
+logger = logging.getLogger("mlx_dspark.server")
+
+
+@dataclass
+class GenerationRequest:
+    """One request as the engine sees it: token ids and how to decode them."""
+
+    prompt: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int = 256
+    seed: int | None = None
+    logprobs: bool = False
+
+
+@dataclass
+class Event:
+    """Tokens committed for a request; the last event has ``finish_reason``.
+
+    ``finish_reason`` is "stop" (end of sequence), "length", "cancelled" or
+    "error" (then ``error`` says why).
+    """
+
+    tokens: list[int]
+    logprobs: list[float] | None = None
+    finish_reason: str | None = None
+    usage: dict | None = None
+    error: str | None = None
+
+
+class RequestHandle:
+    """The caller's side of a request: its events and a way to cancel it."""
+
+    def __init__(self, request: GenerationRequest):
+        self.request = request
+        self.events: queue.Queue[Event] = queue.Queue()
+        self._cancelled = threading.Event()
+        self.cancel_reason = "cancelled"
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Leave the batch at the next step; the engine frees the caches.
+
+        ``reason`` "stop" (the caller found a stop string) counts the request
+        as finished, anything else as cancelled."""
+        if not self._cancelled.is_set():
+            self.cancel_reason = reason
+            self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
+@dataclass
+class _Slot:
+    """A running request's state between steps."""
+
+    handle: RequestHandle
+    cache: list
+    draft_cache: object
+    unseen: list  # target features the drafter has not ingested yet
+    anchor: int
+    start: int  # position of the anchor
+    rng: np.random.Generator
+    key: mx.array
+    prefilled: int = 0  # prompt tokens in the cache so far
+    produced: int = 0
+    rounds: list[RoundStats] = field(default_factory=list)
+    batch_sizes: int = 0  # sum over rounds of the batch each round ran in
+    done: bool = False
+
+    @property
+    def request(self) -> GenerationRequest:
+        return self.handle.request
+
+
+@dataclass
+class EngineStats:
+    """Totals since the engine started (read by ``/metrics`` and tests)."""
+
+    requests: int = 0
+    finished: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    target_forwards: int = 0
+    request_rounds: int = 0  # sum of batch sizes over target forwards
+    max_batch: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    drafts_verified: int = 0
+    drafts_accepted: int = 0
+    active: int = 0
+    waiting: int = 0
+
+    @property
+    def mean_batch(self) -> float:
+        return (
+            self.request_rounds / self.target_forwards if self.target_forwards else 0.0
+        )
+
+
+def monotone(values: list[float], weights: list[float]) -> list[float]:
+    """The non-decreasing sequence closest to ``values`` in weighted least
+    squares (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, weight, count]
+    for value, weight in zip(values, weights, strict=True):
+        blocks.append([value, weight, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            v2, w2, n2 = blocks.pop()
+            v1, w1, n1 = blocks.pop()
+            blocks.append([(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+    return [v for v, _, n in blocks for _ in range(n)]
+
+
+class StepCost:
+    """Measured cost of a batched step, as the curve Algorithm 1 reads.
+
+    Target forwards are timed by their total query tokens (exponential moving
+    average per size); sizes not measured yet come from ``prior`` (a cached
+    profile) scaled to the measurements, and without a prior the measured
+    points alone (held flat beyond them, so larger batches get tried and
+    measured). A larger forward never costs less, so the curve is the closest
+    non-decreasing one (weighted by how often each size was measured): noise
+    must not make extra drafts look free. ``draft_seconds`` is the measured
+    drafting time of a step.
+    """
+
+    def __init__(self, prior: StepRateCurve | None = None, alpha: float = 0.3):
+        self.prior = prior
+        self.alpha = alpha
+        self.seconds: dict[int, float] = {}
+        self.counts: dict[int, int] = {}
+        self.draft_seconds = 0.0 if prior is None else prior.draft_seconds
+
+    def _average(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.alpha) * old + self.alpha * new
+
+    def record_verify(self, tokens: int, seconds: float) -> None:
+        self.seconds[tokens] = self._average(self.seconds.get(tokens), seconds)
+        self.counts[tokens] = self.counts.get(tokens, 0) + 1
+
+    def record_draft(self, seconds: float) -> None:
+        self.draft_seconds = self._average(self.draft_seconds or None, seconds)
+
+    def curve(self) -> StepRateCurve:
+        points = dict(self.seconds)
+        weights = {b: float(min(n, 1 / self.alpha)) for b, n in self.counts.items()}
+        if self.prior is not None:
+            sizes = self.prior.batch_sizes
+            common = [b for b in sizes if b in points]
+            scale = 1.0
+            if common:
+                scale = float(
+                    np.median([points[b] * self.prior.sps(b) for b in common])
+                )
+            for b in sizes:
+                if b not in points:
+                    points[b], weights[b] = scale / self.prior.sps(b), 1.0
+        if not points:
+            return StepRateCurve.linear(1.0, 0.05, draft_seconds=self.draft_seconds)
+        sizes = sorted(points)
+        seconds = monotone([points[b] for b in sizes], [weights[b] for b in sizes])
+        return StepRateCurve.from_measurements(
+            dict(zip(sizes, seconds, strict=True)), self.draft_seconds
+        )
+
+
+@dataclass
+class DraftGate:
+    """Whether a step drafts at all, from what past steps measured.
+
+    A step that drafts commits about ``R (1 + accepted)`` tokens in ``draft +
+    t(R (1 + verified))`` seconds, a plain step ``R`` tokens in ``t(R)``
+    (``accepted`` and ``verified``: moving averages of drafts per request in
+    drafting steps, ``t`` the measured step cost). The step drafts when that
+    is faster; when it has not drafted for ``probe_every`` steps it drafts
+    anyway, to keep the estimates current, and a batch size whose plain step
+    was never timed gets one plain step. Decided before drafting, from past
+    steps only, so it never biases what is committed.
+    """
+
+    probe_every: int = 16
+    alpha: float = 0.2
+    accepted: float | None = None
+    verified: float | None = None
+    plain_steps: int = 0
+
+    def should_draft(self, requests: int, cost: StepCost) -> bool:
+        if self.accepted is None or self.plain_steps >= self.probe_every:
+            return True
+        if requests not in cost.counts:
+            return False  # time a plain step of this size once
+        curve = cost.curve()
+        plain = requests / curve.step_seconds(requests)
+        tokens = requests * (1 + self.verified)
+        draft = (
+            requests
+            * (1 + self.accepted)
+            / (cost.draft_seconds + curve.step_seconds(tokens))
+        )
+        return draft > plain
+
+    def record(
+        self, requests: int, accepted: int, verified: int, drafted: bool
+    ) -> None:
+        if not drafted:
+            self.plain_steps += 1
+            return
+        self.plain_steps = 0
+        a, v = accepted / requests, verified / requests
+        if self.accepted is None:
+            self.accepted, self.verified = a, v
+        else:
+            self.accepted += self.alpha * (a - self.accepted)
+            self.verified += self.alpha * (v - self.verified)
+
+
+@dataclass
+class EngineConfig:
+    """``num_draft``: drafts per request per step at most (None: the drafter's
+    block size; 0: plain batched decoding, no drafter). ``max_batch``: requests
+    decoded together; more wait. ``settings``: scheduler and memory-guard knobs
+    (DSPARK_* variables override them); no floor on verified drafts by
+    default (``n_draft_min=0``), so Algorithm 1 alone decides, and critical
+    memory pressure drops to plain decoding. ``adaptive``: skip drafting
+    in steps where it does not pay (:class:`DraftGate`)."""
+
+    num_draft: int | None = None
+    max_batch: int = 8
+    prefill_step_size: int = 512
+    settings: SchedulerSettings = field(
+        default_factory=lambda: SchedulerSettings(n_draft_min=0)
+    )
+    adaptive: bool = True
+    prior: StepRateCurve | None = None
+
+
+def _empty_proposal() -> Proposal:
+    return Proposal(mx.zeros((1, 0), mx.int32), mx.zeros((1, 0, 1)), mx.zeros((1, 0)))
+
+
+def _token_logprobs(logits: mx.array, tokens: list[int]) -> list[float]:
+    """Log-probabilities of ``tokens`` under the rows ``logits [n, V]`` (raw
+    model distribution, as mlx-lm reports)."""
+    logits = logits.astype(mx.float32)
+    rows = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    picked = mx.take_along_axis(rows, mx.array(tokens)[:, None], axis=-1)
+    return [float(x) for x in np.array(picked).ravel()]
+
+
+class BatchEngine:
+    """Continuous batching of DSpark speculative decoding on one thread.
+
+    ``submit`` queues a request and returns its handle; the engine thread
+    (``start``) admits waiting requests between steps, prefills them, and
+    runs batched draft / schedule / verify steps until every request is done.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        drafter: DSparkDrafter,
+        config: EngineConfig | None = None,
+        memory_source=None,
+    ):
+        from ..calibrate import find_calibration
+
+        self.model = model
+        self.drafter = drafter
+        self.config = config or EngineConfig()
+        self.target = TargetAdapter(model, drafter.config.target_layer_ids)
+        # Gemma-4 drafters run their own RoPE; they draft one request at a time.
+        self.batch_drafts = not drafter.config.is_gemma4
+        self.eos = set(int(t) for t in getattr(tokenizer, "eos_token_ids", ()))
+        settings = SchedulerSettings.from_env(base=self.config.settings)
+        block = drafter.block_size
+        n_max = settings.n_max(block)
+        if self.config.num_draft is not None:
+            n_max = min(n_max, self.config.num_draft)
+        self.n_max = max(0, n_max)
+        found = find_calibration(model, drafter)
+        guard = None
+        if self.n_max > 0:
+            guard = MemoryGuard.from_settings(settings, self.n_max, memory_source)
+        self.cost = StepCost(self.config.prior)
+        self.gate = DraftGate() if self.config.adaptive else None
+        self.policy = SchedulerPolicy(
+            None if found is None else list(found[0].temperatures),
+            telemetry_for(found),
+            curve=self.cost.curve(),
+            settings=settings,
+            guard=guard,
+        )
+        self.policy.telemetry.policy = "auto" if self.n_max else "off"
+        if found is not None:
+            self.policy.telemetry.calibration = str(found[1])
+        self.stats = EngineStats()
+        self._waiting: deque[RequestHandle] = deque()
+        self._active: list[_Slot] = []
+        self._prefilling: list[_Slot] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # -- caller side -------------------------------------------------------
+
+    @property
+    def telemetry(self) -> Telemetry:
+        return self.policy.telemetry
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> BatchEngine:
+        self._thread = threading.Thread(
+            target=self._run, name="dspark-engine", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        if not request.prompt:
+            raise ValueError("the prompt is empty")
+        if request.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        handle = RequestHandle(request)
+        with self._lock:
+            self._waiting.append(handle)
+            self.stats.requests += 1
+            self.stats.waiting = len(self._waiting)
+            self._wake.notify_all()
+        return handle
+
+    # -- engine thread -----------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not (
+                    self._stopping or self._waiting or self._active or self._prefilling
+                ):
+                    self._wake.wait(timeout=0.5)
+                if self._stopping:
+                    break
+                busy = len(self._active) + len(self._prefilling)
+                room = max(0, self.config.max_batch - busy)
+                joining = [
+                    self._waiting.popleft() for _ in range(room) if self._waiting
+                ]
+                self.stats.waiting = len(self._waiting)
+            try:
+                self._iteration(joining)
+            except Exception as error:  # never take the server down
+                logger.exception("batched step failed")
+                for slot in [*self._active, *self._prefilling]:
+                    self._finish(slot, "error", f"generation failed: {error}")
+            self.stats.active = len(self._active)
+        for slot in [*self._active, *self._prefilling]:
+            self._finish(slot, "cancelled")
+        with self._lock:
+            while self._waiting:
+                self._waiting.popleft().events.put(Event([], finish_reason="cancelled"))
+        # MLX gives each thread its own streams; a thread that leaves them
+        # running aborts the process at exit.
+        mx.synchronize()
+        clear = getattr(mx, "clear_streams", None)
+        if clear is not None:
+            clear()
+
+    def _iteration(self, joining: list[RequestHandle]) -> None:
+        for handle in joining:
+            self._admit(handle)
+        self._drop_cancelled()
+        # About one prefill chunk of prompt tokens between decode steps: a
+        # long prompt delays the running requests a chunk at a time, not by
+        # its whole prefill, and short prompts join together.
+        budget = self.config.prefill_step_size
+        for slot in list(self._prefilling):
+            if budget <= 0:
+                break
+            budget -= self._prefill_chunk(slot)
+        if self._active:
+            self._step()
+
+    def _admit(self, handle: RequestHandle) -> None:
+        if handle.cancelled:
+            self.stats.cancelled += 1
+            handle.events.put(Event([], finish_reason="cancelled"))
+            return
+        request = handle.request
+        seed = secrets.randbits(63) if request.seed is None else request.seed
+        try:
+            slot = _Slot(
+                handle=handle,
+                cache=self.target.make_cache(),
+                draft_cache=self.drafter.make_cache(),
+                unseen=[],
+                anchor=-1,
+                start=0,
+                rng=np.random.default_rng(seed),
+                key=mx.random.key(seed),
+            )
+        except Exception as error:
+            logger.exception("admission failed")
+            self.stats.failed += 1
+            handle.events.put(
+                Event([], finish_reason="error", error=f"admission failed: {error}")
+            )
+            return
+        self._prefilling.append(slot)
+
+    def _prefill_chunk(self, slot: _Slot) -> int:
+        """The next chunk of a prompt, as :func:`~mlx_dspark.loop.prefill`
+        runs it; after the last one the request joins the batch. Returns the
+        chunk's length."""
+        request = slot.request
+        begin = slot.prefilled
+        end = min(begin + self.config.prefill_step_size, len(request.prompt))
+        try:
+            tokens = mx.array([request.prompt[begin:end]])
+            logits, features = self.target(tokens, slot.cache)
+            mx.eval(logits, features)
+            slot.unseen.append(features)
+            slot.prefilled = end
+            if end < len(request.prompt):
+                return end - begin
+            logits = logits[0, -1]
+            anchor = first_token(logits, request.params, slot.rng)
+            logprobs = None
+            if request.logprobs:
+                logprobs = _token_logprobs(logits[None], [anchor])
+        except Exception as error:
+            logger.exception("prefill failed")
+            self._finish(slot, "error", f"prefill failed: {error}")
+            return end - begin
+        self._prefilling.remove(slot)
+        slot.anchor, slot.start = anchor, len(request.prompt)
+        self.stats.prompt_tokens += len(request.prompt)
+        self._active.append(slot)
+        self._emit(slot, [anchor], logprobs)
+        return end - begin
+
+    def _drop_cancelled(self) -> None:
+        for slot in [*self._active, *self._prefilling]:
+            if slot.handle.cancelled:
+                self._finish(slot, slot.handle.cancel_reason)
+
+    def _cap(self, slot: _Slot, cap: int) -> int:
+        return max(0, min(cap, slot.request.max_tokens - slot.produced - 1))
+
+    def _step(self) -> None:
+        slots = list(self._active)
+        tic = time.perf_counter()
+        cap = self.policy.round_cap(self.n_max) if self.n_max else 0
+        caps = [self._cap(s, cap) for s in slots]
+        gate = self.gate
+        if (
+            any(caps)
+            and gate is not None
+            and not gate.should_draft(len(slots), self.cost)
+        ):
+            caps = [0] * len(slots)
+        proposals = self._draft(slots, caps)
+        lazy = []
+        for slot, proposal in zip(slots, proposals, strict=True):
+            lazy += [proposal.tokens, proposal.confidence]
+            if not slot.request.params.greedy:
+                lazy.append(proposal.logits)
+        mx.eval([a for a in lazy if a is not None])
+        drafted = time.perf_counter()
+        if any(caps):
+            self.cost.record_draft(drafted - tic)
+            self.policy.curve = self.cost.curve()
+        lengths = self.policy.draft_lengths(proposals, caps)
+        drafts = [
+            np.array(p.tokens[0, :n]).tolist() if n else []
+            for p, n in zip(proposals, lengths, strict=True)
+        ]
+        chains = [[s.anchor, *d] for s, d in zip(slots, drafts, strict=True)]
+        if len(slots) == 1:
+            outputs = [self.target(mx.array(chains), slots[0].cache)]
+        else:
+            outputs = self.target.forward_batch(chains, [s.cache for s in slots])
+        mx.eval([a for out in outputs for a in out if a is not None])
+        verified = time.perf_counter()
+        self.cost.record_verify(sum(len(c) for c in chains), verified - drafted)
+        self.stats.target_forwards += 1
+        self.stats.request_rounds += len(slots)
+        self.stats.max_batch = max(self.stats.max_batch, len(slots))
+        accepted_now = 0
+        for slot, c, proposal, chain, (logits, features) in zip(
+            slots, caps, proposals, drafts, outputs, strict=True
+        ):
+            params = slot.request.params
+            result, _, committed = settle_chain(
+                self.target,
+                slot.cache,
+                chain,
+                proposal,
+                logits,
+                features,
+                params,
+                slot.rng,
+            )
+            tokens = [*chain[: result.accepted], result.next_token]
+            logprobs = None
+            if slot.request.logprobs:
+                logprobs = _token_logprobs(logits[0, : len(tokens)], tokens)
+            # The drafter ingested everything unseen when it drafted.
+            slot.unseen = [committed] if c else [*slot.unseen, committed]
+            slot.start += len(tokens)
+            slot.anchor = result.next_token
+            round_stats = RoundStats(
+                drafted=c,
+                verified=len(chain),
+                accepted=result.accepted,
+                draft_time=drafted - tic,
+                verify_time=verified - drafted,
+                wall_time=verified - tic,
+            )
+            slot.rounds.append(round_stats)
+            slot.batch_sizes += len(slots)
+            self.policy.observe(proposal, round_stats)
+            self.stats.drafts_verified += len(chain)
+            self.stats.drafts_accepted += result.accepted
+            accepted_now += result.accepted
+            self._emit(slot, tokens, logprobs)
+        if gate is not None and self.n_max:
+            verified_now = sum(len(d) for d in drafts)
+            gate.record(len(slots), accepted_now, verified_now, any(caps))
+
+    def _draft(self, slots: list[_Slot], caps: list[int]) -> list[Proposal]:
+        """A proposal per request (empty where its cap is 0), lazily.
+
+        The backbone runs once for all drafting requests
+        (:meth:`DSparkDrafter.forward_batch`), and the greedy requests' chains
+        come from one batched :meth:`~DSparkDrafter.propose`; a sampled
+        request proposes alone, with its own parameters and random key.
+        """
+        drafter = self.drafter
+        proposals = [_empty_proposal() for _ in slots]
+        rows = [r for r, c in enumerate(caps) if c > 0]
+        if not rows:
+            return proposals
+        anchors = mx.array([slots[r].anchor for r in rows])
+        contexts = []
+        for r in rows:
+            unseen = slots[r].unseen
+            contexts.append(
+                unseen[0] if len(unseen) == 1 else mx.concatenate(unseen, 1)
+            )
+        if len(rows) > 1 and self.batch_drafts:
+            hidden = drafter.forward_batch(
+                drafter.block_tokens(anchors),
+                [slots[r].start for r in rows],
+                contexts,
+                [slots[r].draft_cache for r in rows],
+            )
+        else:
+            hidden = mx.concatenate(
+                [
+                    drafter(
+                        drafter.block_tokens(anchors[j : j + 1]),
+                        slots[r].start,
+                        contexts[j],
+                        slots[r].draft_cache,
+                    )
+                    for j, r in enumerate(rows)
+                ]
+            )
+        greedy = [j for j, r in enumerate(rows) if slots[r].request.params.greedy]
+        if greedy:
+            index = mx.array(greedy)
+            n = max(caps[rows[j]] for j in greedy)
+            chains = drafter.propose(
+                hidden[index], anchors[index], n, SamplingParams(), None
+            )
+            for i, j in enumerate(greedy):
+                c = caps[rows[j]]
+                confidence = chains.confidence
+                proposals[rows[j]] = Proposal(
+                    chains.tokens[i : i + 1, :c],
+                    chains.logits[i : i + 1, :c],
+                    None if confidence is None else confidence[i : i + 1, :c],
+                )
+        for j, r in enumerate(rows):
+            params = slots[r].request.params
+            if params.greedy:
+                continue
+            slots[r].key, key = mx.random.split(slots[r].key)
+            proposals[r] = drafter.propose(
+                hidden[j : j + 1], anchors[j : j + 1], caps[r], params, key
+            )
+        return proposals
+
+    def _emit(self, slot: _Slot, tokens: list[int], logprobs: list[float] | None):
+        """Send committed tokens, stopping at end of sequence or max_tokens."""
+        out, reason = [], None
+        for token in tokens:
+            if token in self.eos:
+                reason = "stop"
+                break
+            out.append(token)
+            slot.produced += 1
+            if slot.produced >= slot.request.max_tokens:
+                reason = "length"
+                break
+        self.stats.generated_tokens += len(out)
+        lps = None if logprobs is None else logprobs[: len(out)]
+        if out:
+            slot.handle.events.put(Event(out, lps))
+        if reason is not None:
+            self._finish(slot, reason)
+
+    def usage(self, slot: _Slot) -> dict:
+        rounds = slot.rounds
+        prompt = len(slot.request.prompt)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": slot.produced,
+            "total_tokens": prompt + slot.produced,
+            "dspark": {
+                "rounds": len(rounds),
+                "drafted": sum(r.drafted for r in rounds),
+                "verified_drafts": sum(r.verified for r in rounds),
+                "accepted_drafts": sum(r.accepted for r in rounds),
+                "mean_accepted_length": (
+                    sum(r.accepted + 1 for r in rounds) / len(rounds) if rounds else 0.0
+                ),
+                "mean_batch_size": slot.batch_sizes / len(rounds) if rounds else 0.0,
+            },
+        }
+
+    def _finish(self, slot: _Slot, reason: str, error: str | None = None) -> None:
+        if slot.done:
+            return
+        slot.done = True
+        for group in (self._active, self._prefilling):
+            if slot in group:
+                group.remove(slot)
+        if reason == "cancelled":
+            self.stats.cancelled += 1
+        elif reason == "error":
+            self.stats.failed += 1
+        else:
+            self.stats.finished += 1
+        usage = self.usage(slot)
+        # Free the caches now, not when the caller drops its handle.
+        slot.cache, slot.draft_cache, slot.unseen = [], None, []
+        self.stats.active = len(self._active)
+        slot.handle.events.put(
+            Event([], finish_reason=reason, usage=usage, error=error)
+        )

@@ -1,0 +1,515 @@
+"""The OpenAI-compatible server: batched verification, losslessness per
+request, disconnects, bad input and metrics, over real HTTP on 127.0.0.1."""
+
+import http.client
+import json
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from conftest import HEADS, head_id
+from test_schedint import chi2, chi2_critical, exact_joint
+
+from mlx_dspark.generation import stream_generate
+from mlx_dspark.sampling import SamplingParams
+from mlx_dspark.serving import (
+    BatchEngine,
+    EngineConfig,
+    GenerationRequest,
+    ServerSettings,
+    make_server,
+)
+
+CONTEXT = 256
+PROMPTS = ["t1 t2 t3", "t7 t8", "t20 t4 t11 t9", "t0", "t13 t5 t5 t21 t2 t17"]
+
+
+@pytest.fixture(scope="module")
+def pair(pair_factory):
+    return pair_factory(block_size=8)
+
+
+@pytest.fixture(scope="module")
+def expected(pair):
+    """Greedy single-request ``generate`` tokens per prompt, before any server
+    runs (only one thread uses MLX at a time)."""
+    model, tokenizer, drafter, *_ = pair
+
+    def tokens(prompt, max_tokens):
+        responses = stream_generate(
+            model, tokenizer, drafter, prompt, max_tokens=max_tokens
+        )
+        out = [r.token for r in responses]
+        if out and out[-1] in tokenizer.eos_token_ids:
+            out.pop()
+        return out
+
+    return {(p, n): tokens(p, n) for p in PROMPTS for n in (48,)}
+
+
+@pytest.fixture(scope="module")
+def server(pair, expected):
+    model, tokenizer, drafter, *_ = pair
+    # Always draft (no adaptive gate): these tests are about the speculative path.
+    config = EngineConfig(max_batch=8, adaptive=False)
+    engine = BatchEngine(model, tokenizer, drafter, config)
+    settings = ServerSettings(model_name="tiny", context_length=CONTEXT)
+    httpd = make_server(engine, tokenizer, settings, port=0)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield httpd
+    httpd.shutdown()
+    httpd.server_close()
+    engine.stop()
+
+
+def post(server, path, body, raw=None):
+    conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=60)
+    data = raw if raw is not None else json.dumps(body).encode()
+    conn.request("POST", path, data, {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    text = response.read().decode()
+    conn.close()
+    return response.status, text
+
+
+def get(server, path):
+    conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=30)
+    conn.request("GET", path)
+    response = conn.getresponse()
+    text = response.read().decode()
+    conn.close()
+    return response.status, response.getheader("Content-Type"), text
+
+
+def events(text):
+    """The JSON payloads of a server-sent event stream, checking its end."""
+    chunks = [c for c in text.split("\n\n") if c.strip()]
+    assert chunks[-1] == "data: [DONE]"
+    return [json.loads(c[len("data: ") :]) for c in chunks[:-1]]
+
+
+def completion(server, prompt, max_tokens, stream, **extra):
+    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": stream, **extra}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    status, text = post(server, "/v1/completions", body)
+    assert status == 200, text
+    if not stream:
+        data = json.loads(text)
+        choice = data["choices"][0]
+        return choice["text"], choice["finish_reason"], data["usage"], choice
+    chunks = events(text)
+    usage = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == []
+    finish = chunks[-2]["choices"][0]["finish_reason"]
+    return "".join(c["choices"][0]["text"] for c in chunks[:-1]), finish, usage, None
+
+
+def test_concurrent_requests_share_forwards_and_match_generate(pair, expected, server):
+    _, tokenizer, *_ = pair
+    engine = server.engine
+    before = (engine.stats.target_forwards, engine.stats.request_rounds)
+    jobs = [(p, 48, i % 2 == 1) for i, p in enumerate(PROMPTS)]
+    jobs += [(p, 48, i % 2 == 0) for i, p in enumerate(PROMPTS)]
+    results = [None] * len(jobs)
+
+    def run(i, prompt, n, stream):
+        results[i] = completion(server, prompt, n, stream, logprobs=not stream)
+
+    threads = [
+        threading.Thread(target=run, args=(i, *job)) for i, job in enumerate(jobs)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for (prompt, n, _), (text, finish, usage, choice) in zip(
+        jobs, results, strict=True
+    ):
+        want = expected[(prompt, n)]
+        assert text == tokenizer.decode(want), prompt
+        if choice is not None:
+            assert [t["id"] for t in choice["logprobs"]["content"]] == want
+            assert all(t["logprob"] <= 0 for t in choice["logprobs"]["content"])
+        assert usage["completion_tokens"] == len(want)
+        assert finish == ("length" if len(want) == n else "stop")
+        dspark = usage["dspark"]
+        assert dspark["rounds"] >= 1 and dspark["accepted_drafts"] > 0
+    forwards = engine.stats.target_forwards - before[0]
+    rounds = engine.stats.request_rounds - before[1]
+    # More than one request verified per target forward, on average.
+    assert rounds > 1.5 * forwards, (rounds, forwards)
+    assert engine.stats.max_batch >= 3
+    assert max(r[2]["dspark"]["mean_batch_size"] for r in results) > 1.5
+
+
+def test_chat_streaming_and_stop(pair, expected, server):
+    _, tokenizer, *_ = pair
+    prompt = PROMPTS[0]
+    want = tokenizer.decode(expected[(prompt, 48)])
+    text, finish, usage, _ = completion(server, prompt, 48, stream=True)
+    assert text == want and usage["completion_tokens"] == 48
+    stop = want.split()[5]
+    cut = want[: want.index(stop)]
+    cancelled = server.engine.stats.cancelled
+    for stream in (False, True):
+        text, finish, usage, _ = completion(server, prompt, 48, stream, stop=[stop])
+        assert (text, finish) == (cut, "stop")
+        assert usage["completion_tokens"] < 48 and usage["dspark"]["rounds"] > 0
+    assert wait_for(lambda: server.engine.stats.active == 0)
+    assert server.engine.stats.cancelled == cancelled  # a stop is a finish
+    body = {
+        "messages": [{"role": "user", "content": "t1 t2"}],
+        "max_tokens": 12,
+        "temperature": 0.7,
+        "seed": 3,
+    }
+    status, text = post(server, "/v1/chat/completions", body)
+    assert status == 200, text
+    data = json.loads(text)
+    assert data["object"] == "chat.completion"
+    assert data["choices"][0]["message"]["role"] == "assistant"
+    assert data["usage"]["completion_tokens"] <= 12
+    xtc = {"prompt": "t3", "temperature": 1.0, "xtc_probability": 0.5, "seed": 1}
+    assert post(server, "/v1/completions", {**xtc, "max_tokens": 6})[0] == 200
+    status, text = post(server, "/v1/chat/completions", {**body, "stream": True})
+    assert status == 200
+    chunks = events(text)
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def wait_for(condition, seconds=20.0):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_disconnect_frees_the_slot(server):
+    engine = server.engine
+    assert wait_for(lambda: engine.stats.active == 0)
+    cancelled, before = engine.stats.cancelled, engine.stats.generated_tokens
+    sock = socket.create_connection(("127.0.0.1", server.server_address[1]))
+    body = json.dumps(
+        {"prompt": PROMPTS[1], "max_tokens": CONTEXT - 3, "stream": True}
+    ).encode()
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+        + f"\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+    sock.close()
+    assert wait_for(lambda: engine.stats.cancelled == cancelled + 1)
+    assert engine.stats.active == 0
+    generated = engine.stats.generated_tokens
+    time.sleep(0.2)
+    assert engine.stats.generated_tokens == generated  # nothing decodes for it
+    assert generated - before < CONTEXT - 3  # it left before max_tokens
+    # Still serving.
+    text, finish, usage, _ = completion(server, PROMPTS[3], 5, stream=False)
+    assert usage["completion_tokens"] == 5 and finish == "length"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"{not json",
+        b"[1, 2]",
+        {"prompt": "t1", "max_tokens": 0},
+        {"prompt": "t1", "max_tokens": "5"},
+        {"prompt": "t1", "max_tokens": True},
+        {"prompt": "t1", "temperature": -0.5},
+        {"prompt": "t1", "top_p": 2},
+        {"prompt": "t1", "top_k": 1.5},
+        {"prompt": "t1", "stream": "yes"},
+        {"prompt": "t1", "stop": 5},
+        {"prompt": "t1", "seed": "x"},
+        {"prompt": "t1", "n": 2},
+        {"prompt": "t1", "xtc_probability": 2.0},
+        {"prompt": "t1", "repetition_penalty": 1.3},
+        {"prompt": "t1", "logit_bias": {"3": 5}},
+        {"prompt": 12},
+        {"prompt": ""},
+        {"prompt": [1, 2, 999]},
+        {"prompt": " ".join(["t1"] * CONTEXT)},
+        {"messages": "hi"},
+        {"messages": [{"content": "no role"}]},
+    ],
+)
+def test_bad_requests_get_400(server, body):
+    if isinstance(body, bytes):
+        status, text = post(server, "/v1/completions", None, raw=body)
+    else:
+        chat = "messages" in body
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        status, text = post(server, path, body)
+    assert status == 400, text
+    error = json.loads(text)["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+
+
+def test_endpoints_and_metrics(server):
+    status, kind, text = get(server, "/health")
+    assert (status, json.loads(text)) == (200, {"status": "ok"})
+    status, _, text = get(server, "/v1/models")
+    assert status == 200 and json.loads(text)["data"][0]["id"] == "tiny"
+    assert post(server, "/v1/nothing", {})[0] == 404
+    completion(server, PROMPTS[2], 8, stream=False)
+    status, kind, text = get(server, "/metrics")
+    assert status == 200 and kind.startswith("text/plain")
+    sample = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            assert re.match(r"^# (HELP|TYPE) [a-zA-Z_:][a-zA-Z0-9_:]* .+", line), line
+            continue
+        match = sample.match(line)
+        assert match, line
+        values[match.group(1) + (match.group(2) or "")] = float(match.group(3))
+    for name in (
+        "dspark_draft_acceptance_rate",
+        "dspark_scheduler_n_current",
+        "dspark_confidence_head_ece",
+        "dspark_verification_latency_ms_count",
+        "dspark_speedup_ratio",
+        "dspark_memory_pressure_level",
+        "dspark_server_target_forwards_total",
+    ):
+        assert name in values, name
+    assert 0 < values["dspark_draft_acceptance_rate"] <= 1
+    assert (
+        values["dspark_server_request_rounds_total"]
+        >= values["dspark_server_target_forwards_total"]
+    )
+
+
+def test_sampled_requests_exact_in_mixed_batches(pair_factory):
+    """Sampled requests batched with greedy ones and with each other are exact
+    samples of the target (chi-square over the first tokens' joint)."""
+    model, tokenizer, drafter, *_ = pair_factory(block_size=4, sharpness=0.5, seed=3)
+    params = SamplingParams(temperature=1.0, top_k=3)
+    prompt, depth, n = [1, 2, 3], 2, 600
+    exact = exact_joint(model, prompt, params, depth)
+    config = EngineConfig(max_batch=8, adaptive=False)
+    engine = BatchEngine(model, tokenizer, drafter, config)
+    try:
+        handles = []
+        for seed in range(n):
+            handles.append(
+                engine.submit(GenerationRequest(prompt, params, depth + 4, seed))
+            )
+            if seed % 4 == 0:  # a greedy request in the same batches
+                handles.append(engine.submit(GenerationRequest([5, 6], max_tokens=6)))
+        engine.start()
+        counts = {}
+        for handle in handles:
+            tokens = []
+            while True:
+                event = handle.events.get(timeout=60)
+                tokens += event.tokens
+                if event.finish_reason:
+                    break
+            if handle.request.params.greedy:
+                continue
+            key = tuple(tokens[:depth])
+            counts[key] = counts.get(key, 0) + 1
+    finally:
+        engine.stop()
+    assert engine.stats.mean_batch > 4
+    assert len(engine.telemetry.length_counts) >= 2  # Algorithm 1 decided
+    assert engine.stats.drafts_accepted > 0
+    assert chi2(counts, exact, n) < chi2_critical(len(exact) - 1)
+
+
+@pytest.mark.parametrize(
+    "args, code, out",
+    [
+        (["--help"], 0, "--draft-model"),
+        (["--model", "x"], 1, "error: --model needs a DSpark --draft-model."),
+    ],
+)
+def test_module_entry_point(args, code, out):
+    result = subprocess.run(
+        [sys.executable, "-m", "mlx_dspark.server", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == code, result.stderr
+    assert out in result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def run_engine(engine, prompts, max_tokens):
+    """Submit every prompt at once; the tokens of each."""
+    handles = [
+        engine.submit(GenerationRequest(p, max_tokens=max_tokens)) for p in prompts
+    ]
+    out = []
+    for handle in handles:
+        tokens = []
+        while True:
+            event = handle.events.get(timeout=60)
+            tokens += event.tokens
+            if event.finish_reason:
+                break
+        out.append(tokens)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["plain", "memory-critical", "chunked-prefill"])
+def test_plain_batches_memory_guard_chunked_prefill(pair, expected, mode):
+    """``num_draft=0`` decodes plain batches (the DSpark-off baseline); under
+    critical memory pressure the guard lowers every cap to n_min instead of
+    failing requests; prompts prefilled a chunk at a time between decode
+    steps. All stay identical to ``generate``."""
+    from mlx_dspark.memory import PressureLevel
+    from mlx_dspark.scheduler import SchedulerSettings
+
+    model, tokenizer, drafter, *_ = pair
+    config = EngineConfig(adaptive=mode == "chunked-prefill")
+    if mode == "plain":
+        config.num_draft = 0
+    if mode == "chunked-prefill":
+        config.prefill_step_size = 2
+    source = None
+    if mode == "memory-critical":
+        config.settings = SchedulerSettings(n_draft_min=2, interval_ms=1e-6)
+        source = lambda: PressureLevel.CRITICAL  # noqa: E731
+    engine = BatchEngine(model, tokenizer, drafter, config, memory_source=source)
+    engine.start()
+    try:
+        prompts = [tokenizer.encode(p) for p in PROMPTS]
+        got = run_engine(engine, prompts, 48)
+    finally:
+        engine.stop()
+    assert got == [expected[(p, 48)] for p in PROMPTS]
+    assert engine.stats.mean_batch > 1.5
+    if mode == "plain":
+        assert engine.stats.drafts_verified == 0
+    elif mode == "memory-critical":
+        assert engine.telemetry.n_current == 2
+        assert engine.telemetry.memory_pressure_level == 2
+        assert max(engine.telemetry.length_counts) <= 2
+        assert engine.stats.drafts_accepted > 0
+
+
+def test_step_cost_curve():
+    """The scheduler's cost curve: a prior profile scaled to the measured step
+    times, measured sizes taking over, and flat beyond the measurements."""
+    from mlx_dspark.scheduler import StepRateCurve
+    from mlx_dspark.serving.engine import StepCost
+
+    assert StepCost().curve().step_seconds(4) > StepCost().curve().step_seconds(1)
+    prior = StepRateCurve.linear(1.0, 0.5, b_max=8, draft_seconds=0.2)
+    cost = StepCost(prior)
+    assert cost.curve().step_seconds(3) == pytest.approx(2.5)
+    cost.record_verify(3, 0.25)  # ten times faster than the prior says
+    assert cost.curve().step_seconds(3) == pytest.approx(0.25)
+    assert cost.curve().step_seconds(5) == pytest.approx(0.35)
+    cost.record_draft(0.01)
+    assert cost.curve().draft_seconds == pytest.approx(0.3 * 0.01 + 0.7 * 0.2)
+    alone = StepCost()
+    alone.record_verify(2, 0.1)
+    alone.record_verify(6, 0.1)
+    assert alone.curve().step_seconds(20) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("head", HEADS, ids=head_id)
+def test_batched_drafting_every_head(pair_factory, head):
+    """The drafter backbone batched over requests (padded context, per-row
+    positions) equals each request's own pass, and batched greedy drafting
+    keeps every head's output identical to ``generate``."""
+    import mlx.core as mx
+
+    from mlx_dspark.target import TargetAdapter
+
+    model, tokenizer, drafter, *_ = pair_factory(markov_head_type=head, block_size=8)
+    target = TargetAdapter(model, drafter.config.target_layer_ids)
+    prompts = [[1, 2, 3], [20, 4, 11, 9, 7, 7, 1], [5]]
+    alone, together, contexts, starts = [], [], [], []
+    for prompt in prompts:
+        _, features = target(mx.array([prompt]), target.make_cache())
+        alone.append(drafter.make_cache())
+        together.append(drafter.make_cache())
+        contexts.append(features)
+        starts.append(len(prompt))
+    for step in range(2):  # the second step extends caches of unequal lengths
+        anchors = mx.array([7 + step, 3, 11])
+        blocks = drafter.block_tokens(anchors)
+        batched = drafter.forward_batch(blocks, starts, contexts, together)
+        for r in range(len(prompts)):
+            single = drafter(blocks[r : r + 1], starts[r], contexts[r], alone[r])
+            assert mx.allclose(single[0], batched[r], atol=1e-5).item()
+        contexts = [contexts[0][:, :2]] * len(prompts)
+        starts = [s + 2 for s in starts]
+    want = [
+        [r.token for r in stream_generate(model, tokenizer, drafter, p, max_tokens=24)]
+        for p in prompts
+    ]
+    want = [w[:-1] if w[-1] in tokenizer.eos_token_ids else w for w in want]
+    engine = BatchEngine(model, tokenizer, drafter, EngineConfig(adaptive=False))
+    for p in prompts:  # more requests in the same batches
+        engine.submit(GenerationRequest(p, max_tokens=24))
+    handles = [engine.submit(GenerationRequest(p, max_tokens=24)) for p in prompts]
+    engine.start()
+    try:
+        got = []
+        for handle in handles:
+            tokens = []
+            while True:
+                event = handle.events.get(timeout=60)
+                tokens += event.tokens
+                if event.finish_reason:
+                    break
+            got.append(tokens)
+    finally:
+        engine.stop()
+    assert got == want
+    assert engine.stats.mean_batch > 2
+
+
+def test_monotone_cost():
+    from mlx_dspark.serving.engine import StepCost, monotone
+
+    assert monotone([1.0, 3.0, 2.0, 4.0], [1, 1, 1, 1]) == [1.0, 2.5, 2.5, 4.0]
+    assert monotone([1.0, 3.0, 2.0], [1, 1, 3]) == [1.0, 2.25, 2.25]
+    cost = StepCost()
+    for size, seconds in ((2, 0.2), (4, 0.5), (6, 0.3), (8, 0.6)):
+        cost.record_verify(size, seconds)
+    curve = cost.curve()
+    times = [curve.step_seconds(b) for b in range(1, 12)]
+    assert times == sorted(times)  # noise never makes a larger forward cheaper
+
+
+def test_draft_gate():
+    """Steps draft only when drafting is measured to pay, and probe again."""
+    from mlx_dspark.serving.engine import DraftGate, StepCost
+
+    cost = StepCost()
+    gate = DraftGate(probe_every=3)
+    assert gate.should_draft(4, cost)  # nothing measured yet
+    cost.record_verify(20, 1.0)
+    cost.record_draft(0.5)
+    gate.record(4, accepted=1, verified=16, drafted=True)
+    assert not gate.should_draft(4, cost)  # a plain step of 4 is not timed yet
+    cost.record_verify(4, 0.5)
+    gate.record(4, 0, 0, drafted=False)
+    # Drafting: 4 * 1.25 tokens in 1.5 s; plain: 4 tokens in 0.5 s.
+    assert not gate.should_draft(4, cost)
+    gate.record(4, 0, 0, drafted=False)
+    gate.record(4, 0, 0, drafted=False)
+    assert gate.should_draft(4, cost)  # probe after probe_every plain steps
+    gate.record(4, accepted=24, verified=24, drafted=True)
+    gate.record(4, accepted=28, verified=28, drafted=True)
+    # The acceptance estimate climbs past what drafting costs.
+    assert gate.should_draft(4, cost)
