@@ -52,7 +52,6 @@ from .training.trainer import (
     LoopState,
     make_step,
     optimise,
-    progress_bar,
     schedule,
 )
 
@@ -124,10 +123,20 @@ class TrainResult:
     history: list = field(default_factory=list)
 
 
+Progress = Callable[[str, int, int, str], None]
+
+
 def train(
-    args: TrainArgs, should_stop: Callable[[int], bool] | None = None
+    args: TrainArgs,
+    should_stop: Callable[[int], bool] | None = None,
+    progress: Progress | None = None,
 ) -> TrainResult:
-    """Train a drafter; ``should_stop(step)`` can request a clean stop (tests)."""
+    """Train a drafter; ``should_stop(step)`` can request a clean stop (tests).
+
+    ``progress(stage, done, total, metrics)`` follows the stages
+    ("regenerating", "teacher store", "training"); the CLI draws it.
+    """
+    stage = _stage_progress(progress)
     _check_args(args)
     out = Path(args.out).expanduser()
     ckpt = checkpoint_path(out)
@@ -139,7 +148,9 @@ def train(
         {"path": str(p), "sha256": sha256(p)} for p in args.data if Path(p).is_file()
     ]
     data_files = (
-        _regenerated(args, out, model, tokenizer) if args.regenerate else args.data
+        _regenerated(args, out, model, tokenizer, stage("regenerating"))
+        if args.regenerate
+        else args.data
     )
     sequences, report = load_sequences(data_files, tokenizer, args.seq_len)
     _say(args, f"data: {report.summary()}")
@@ -170,7 +181,10 @@ def train(
         if args.resume
         else LoopState()
     )
-    teacher = _teacher(args, target, target_path, sequences, data_hashes, draft_ids)
+    teacher = _teacher(
+        args, target, target_path, sequences, data_hashes, draft_ids,
+        stage("teacher store"),
+    )  # fmt: skip
 
     def save(state: LoopState) -> None:
         save_checkpoint(ckpt, drafter, optimizer, _snapshot(identity, state))
@@ -179,7 +193,7 @@ def train(
     status, final = optimise(
         make_step(drafter, optimizer, args.grad_clip), next_batch, teacher, state,
         total, log_every=args.log_every, checkpoint_every=args.checkpoint_every,
-        save=save, should_stop=should_stop, quiet=args.quiet,
+        save=save, should_stop=should_stop, progress=stage("training"),
     )  # fmt: skip
     save(state)
     if status == "interrupted":
@@ -298,17 +312,25 @@ def _mask_token_id(args: TrainArgs, target: TargetAdapter) -> int:
     return mask
 
 
-def _regenerated(args: TrainArgs, out: Path, model, tokenizer) -> list[str]:
+def _stage_progress(progress: Progress | None):
+    """Per stage, the library's ``progress(done, total[, metrics])`` callback."""
+
+    def stage(name: str):
+        if progress is None:
+            return None
+        return lambda done, total, metrics="": progress(name, done, total, metrics)
+
+    return stage
+
+
+def _regenerated(args: TrainArgs, out: Path, model, tokenizer, progress) -> list[str]:
     regen_out = Path(args.regenerate_out or str(out) + ".regenerated.jsonl")
-    with progress_bar(args.quiet) as bar:
-        task = bar.add_task("regenerating", total=None, metrics="")
-        path, _ = regenerate(
-            list(args.data), model, tokenizer, regen_out, seq_len=args.seq_len,
-            max_tokens=args.regen_max_tokens, prompt_tokens=args.regen_prompt_tokens,
-            batch_size=args.regen_batch_size, temperature=args.regen_temperature,
-            seed=args.seed,
-            progress=lambda done, total: bar.update(task, completed=done, total=total),
-        )  # fmt: skip
+    path, _ = regenerate(
+        list(args.data), model, tokenizer, regen_out, seq_len=args.seq_len,
+        max_tokens=args.regen_max_tokens, prompt_tokens=args.regen_prompt_tokens,
+        batch_size=args.regen_batch_size, temperature=args.regen_temperature,
+        seed=args.seed, progress=progress,
+    )  # fmt: skip
     _say(args, f"regenerated responses in {path}")
     return [str(path)]
 
@@ -330,7 +352,7 @@ def _draft_vocabulary(args: TrainArgs, sequences, target) -> DraftVocabulary | N
     return vocab
 
 
-def _teacher(args, target, target_path, sequences, data_hashes, draft_ids):
+def _teacher(args, target, target_path, sequences, data_hashes, draft_ids, progress):
     """The teacher store under ``--teacher-store`` (built on first use), or
     the target on the fly."""
     if not args.teacher_store:
@@ -344,12 +366,9 @@ def _teacher(args, target, target_path, sequences, data_hashes, draft_ids):
     directory = Path(args.teacher_store).expanduser() / key[:16]
     if TeacherStore.complete(directory, key):
         return TeacherStore(directory)
-    with progress_bar(args.quiet) as bar:
-        task = bar.add_task("teacher store", total=len(sequences), metrics="")
-        store = TeacherStore.build(
-            directory, key, target, sequences, draft_ids,
-            progress=lambda done, total: bar.update(task, completed=done),
-        )  # fmt: skip
+    store = TeacherStore.build(
+        directory, key, target, sequences, draft_ids, progress=progress
+    )
     _say(args, f"teacher store: {directory} ({store.nbytes / 2**20:.0f} MiB)")
     return store
 

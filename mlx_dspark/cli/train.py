@@ -9,8 +9,21 @@ flag, which click options cannot, and existing command lines must keep working.
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-from ..train import DTYPES, TrainArgs, train
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.progress import Progress as RichProgress
+
+from ..train import DTYPES, Progress, TrainArgs, train
 from .terminal import ArgumentParser, log_to_terminal, run_cli
 
 
@@ -191,11 +204,46 @@ def build_parser(prog: str = "mlx_dspark.train") -> argparse.ArgumentParser:
     return p
 
 
+@contextmanager
+def stage_progress(log_every: int, quiet: bool) -> Iterator[Progress | None]:
+    """A rich bar per stage on a terminal; in a log, a plain line every
+    ``log_every`` training steps (a bar there is cut and never updates)."""
+    if quiet:
+        yield None
+        return
+    if not sys.stdout.isatty():
+
+        def line(stage: str, done: int, total: int, metrics: str) -> None:
+            if stage == "training" and (done % log_every == 0 or done == total):
+                print(f"step {done}/{total}  {metrics}", flush=True)
+
+        yield line
+        return
+    bars = RichProgress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[metrics]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
+    tasks: dict[str, TaskID] = {}
+
+    def draw(stage: str, done: int, total: int, metrics: str) -> None:
+        if stage not in tasks:
+            tasks[stage] = bars.add_task(stage, total=total, metrics="")
+        bars.update(tasks[stage], completed=done, total=total, metrics=metrics)
+
+    with bars:
+        yield draw
+
+
 def _main(argv: list[str] | None, prog: str) -> None:
     ns = build_parser(prog).parse_args(argv)
     log_to_terminal(quiet=ns.quiet)
     args = TrainArgs(**vars(ns))
-    result = train(args)
+    with stage_progress(args.log_every, args.quiet) as progress:
+        result = train(args, progress=progress)
     if result.status == "interrupted":
         raise SystemExit(130)
 
