@@ -24,7 +24,8 @@ from mlx_dspark import load, stream_generate
 from mlx_dspark.calibrate import calibrate_pair
 from mlx_dspark.machine import detect_blas
 from mlx_dspark.profile import get_profile
-from mlx_dspark.structured import PairSpec, build_structured_pair, cache_dir
+from mlx_dspark.structured import PairSpec, build_structured_pair
+from mlx_dspark.utils import cache_dir
 
 # name: (spec, calibration rounds, max tokens per prompt, prompts)
 PAIRS = {
@@ -106,7 +107,7 @@ def main() -> None:
             max_tokens=max_tokens,
             plot=False,
         )
-        curve = get_profile(model, drafter, "refresh", progress=False)
+        curve = get_profile(model, drafter, "refresh")
         ece_b = np.nanmean(result.ece_before)
         ece_a = np.nanmean(result.ece_after)
         console.print(

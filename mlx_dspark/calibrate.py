@@ -1,8 +1,8 @@
 """Calibrate a drafter's confidence head with Sequential Temperature Scaling.
 
-Usage::
+Usage (the command line is in :mod:`mlx_dspark.cli.calibrate`)::
 
-    mlx_dspark.calibrate --model T --draft-model D [--prompts FILE] [--rounds N] [--out PATH]
+    mlx_dspark calibrate --model T --draft-model D [--prompts FILE] [--rounds N] [--out PATH]
 
 Runs full-block speculative rounds through the generation loop on held-out
 prompts, records per position the raw confidence logit and whether the draft
@@ -15,8 +15,8 @@ by the generation path) looks in both places.
 
 from __future__ import annotations
 
-import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,6 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-import typer
 
 from .calibration import (
     CalibrationRecord,
@@ -34,12 +33,12 @@ from .calibration import (
     records_to_arrays,
 )
 from .drafter import DSparkDrafter, Proposal
-from .errors import DSparkError, run_cli
+from .errors import DSparkError
 from .loop import RoundStats, speculative_generate_step
 from .profile import _digest, model_fingerprint
 from .sampling import SamplingParams
-from .structured import cache_dir
 from .target import TargetAdapter
+from .utils import cache_dir, encode_chat_prompt, write_atomic
 
 CALIBRATION_FILE = "dspark_calibration.json"
 
@@ -122,15 +121,7 @@ def default_output(model: nn.Module, drafter: DSparkDrafter) -> Path:
 def encode_prompts(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
     encoded = []
     for text in prompts:
-        if getattr(tokenizer, "has_chat_template", False):
-            text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}],
-                tokenize=False,
-                add_generation_prompt=True,
-            )
-            tokens = tokenizer.encode(text, add_special_tokens=False)
-        else:
-            tokens = tokenizer.encode(text)
+        tokens = encode_chat_prompt(tokenizer, text)
         if tokens:
             encoded.append(list(tokens))
     if not encoded:
@@ -146,38 +137,36 @@ def collect_records(
     params: SamplingParams = SamplingParams(),
     max_tokens: int = 128,
     seed: int = 0,
-    progress: bool = False,
+    progress: Callable[[int, int], None] | None = None,
 ) -> list[CalibrationRecord]:
     """Full-block rounds over the prompts (cycling with new seeds) until
-    ``rounds`` rounds are recorded."""
-    from rich.progress import Progress
-
+    ``rounds`` rounds are recorded; ``progress(recorded, rounds)`` follows
+    every prompt."""
     target = TargetAdapter(model, drafter.config.target_layer_ids)
     policy = RecordingPolicy()
     attempt = 0
-    with Progress(transient=True, disable=not progress) as bar:
-        task = bar.add_task("Speculative rounds", total=rounds)
-        while len(policy.records) < rounds:
-            prompt = prompts[attempt % len(prompts)]
-            before = len(policy.records)
-            for _ in speculative_generate_step(
-                mx.array(prompt),
-                target,
-                drafter,
-                params=params,
-                max_tokens=max_tokens,
-                policy=policy,
-                seed=seed + attempt,
-            ):
-                if len(policy.records) >= rounds:
-                    break
-            bar.update(task, completed=len(policy.records))
-            attempt += 1
-            if attempt >= len(prompts) and len(policy.records) == before:
-                raise DSparkError(
-                    "The drafter produced no confidence scores; it has no "
-                    "confidence head to calibrate."
-                )
+    while len(policy.records) < rounds:
+        prompt = prompts[attempt % len(prompts)]
+        before = len(policy.records)
+        for _ in speculative_generate_step(
+            mx.array(prompt),
+            target,
+            drafter,
+            params=params,
+            max_tokens=max_tokens,
+            policy=policy,
+            seed=seed + attempt,
+        ):
+            if len(policy.records) >= rounds:
+                break
+        if progress is not None:
+            progress(min(len(policy.records), rounds), rounds)
+        attempt += 1
+        if attempt >= len(prompts) and len(policy.records) == before:
+            raise DSparkError(
+                "The drafter produced no confidence scores; it has no "
+                "confidence head to calibrate."
+            )
     return policy.records[:rounds]
 
 
@@ -206,7 +195,7 @@ def calibrate_pair(
     seed: int = 0,
     out: str | Path | None = None,
     plot: bool = True,
-    progress: bool = False,
+    progress: Callable[[int, int], None] | None = None,
 ) -> tuple[CalibrationResult, Path, Path | None]:
     """Collect rounds, fit STS, save; returns (result, json path, png path)."""
     if rounds < 1:
@@ -218,10 +207,7 @@ def calibrate_pair(
     result = fit_records(records, drafter.block_size)
     path = Path(out) if out is not None else default_output(model, drafter)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        staging = path.with_name(f".{path.name}.tmp")
-        result.save(staging)
-        os.replace(staging, path)
+        write_atomic(path, result.save)
     except OSError as error:
         raise DSparkError(
             f"Could not write the calibration to {path}: {error.strerror}."
@@ -234,111 +220,14 @@ def calibrate_pair(
             plot = False
     if plot:
         png = path.with_suffix(".png")
-        staging = png.with_name(f".{png.stem}.tmp.png")
-        result.reliability_diagram(staging)
-        os.replace(staging, png)
+        write_atomic(png, result.reliability_diagram)
     return result, path, png
 
 
-def render_result(result: CalibrationResult, console) -> None:
-    from rich.table import Table
-
-    def fmt(value: float) -> str:
-        return "-" if value is None or not math.isfinite(value) else f"{value:.3f}"
-
-    table = Table(title=f"STS calibration ({result.n_rounds} held-out rounds)")
-    for name in ("pos", "T", "ECE raw", "ECE STS", "AUC raw", "AUC STS"):
-        table.add_column(name, justify="right")
-    for k, temp in enumerate(result.temperatures):
-        table.add_row(
-            str(k + 1),
-            fmt(temp),
-            fmt(result.ece_before[k]),
-            fmt(result.ece_after[k]),
-            fmt(result.auc_before[k]),
-            fmt(result.auc_after[k]),
-        )
-    console.print(table)
-
-
-def _cli(
-    model: str = typer.Option(..., "--model", help="Target model path or repo."),
-    draft_model: str = typer.Option(
-        ..., "--draft-model", help="DSpark drafter path or repo."
-    ),
-    prompts: Path | None = typer.Option(
-        None,
-        "--prompts",
-        help="Text file with one prompt per line (default: built-in chat/code/math set).",
-    ),
-    rounds: int = typer.Option(300, "--rounds", help="Speculative rounds to record."),
-    out: Path | None = typer.Option(
-        None,
-        "--out",
-        help="Output JSON (default: beside the drafter, else the user cache).",
-    ),
-    max_tokens: int = typer.Option(
-        128, "--max-tokens", help="Tokens generated per prompt."
-    ),
-    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature."),
-    seed: int = typer.Option(0, "--seed", help="Random seed."),
-    plot: bool = typer.Option(
-        True, "--plot/--no-plot", help="Write a reliability diagram PNG.", metavar=""
-    ),
-) -> None:
-    """Fit the confidence head's STS temperatures for a target/drafter pair."""
-    from rich.console import Console
-
-    from .loading import load
-
-    if rounds < 1:
-        raise DSparkError(f"--rounds must be at least 1, got {rounds}.")
-    if max_tokens < 2:
-        raise DSparkError(
-            f"--max-tokens must be at least 2 (a round needs a token to verify), "
-            f"got {max_tokens}."
-        )
-    if temp < 0:
-        raise DSparkError(f"--temp must be >= 0, got {temp}.")
-    texts = None
-    if prompts is not None:
-        try:
-            texts = [
-                line.replace("\\n", "\n")
-                for line in prompts.read_text().splitlines()
-                if line.strip()
-            ]
-        except (OSError, UnicodeDecodeError):
-            raise DSparkError(f"Cannot read the prompts file {prompts}.") from None
-        if not texts:
-            raise DSparkError(f"The prompts file {prompts} has no prompts.")
-    target, tokenizer, drafter = load(model, draft_model)
-    console = Console(stderr=True)
-    result, path, png = calibrate_pair(
-        target,
-        tokenizer,
-        drafter,
-        prompts=texts,
-        rounds=rounds,
-        params=SamplingParams(temperature=temp),
-        max_tokens=max_tokens,
-        seed=seed,
-        out=out,
-        plot=plot,
-        progress=True,
-    )
-    render_result(result, Console())
-    console.print(f"Calibration written to {path}")
-    if png is not None:
-        console.print(f"Reliability diagram written to {png}")
-    elif plot:
-        console.print("No reliability diagram: install matplotlib to get one.")
-
-
 def main() -> None:
-    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-    app.command()(_cli)
-    run_cli(app)
+    from .cli.calibrate import main as cli_main
+
+    cli_main()
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import DSparkError
+from .utils import write_text_atomic
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
@@ -247,10 +248,7 @@ class CalibrationResult:
             data[key] = _clean(data[key])
         for key in ("reliability_before", "reliability_after"):
             data[key] = [[_clean(b) for b in pos] for pos in data[key]]
-        path = Path(path)
-        staging = path.with_name(f".{path.name}.tmp")
-        staging.write_text(json.dumps(data, indent=1))
-        staging.replace(path)
+        write_text_atomic(path, json.dumps(data, indent=1))
 
     @classmethod
     def load(cls, path: str | Path) -> CalibrationResult:

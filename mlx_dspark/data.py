@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import DSparkError
+from .utils import write_atomic
 
 MIN_TOKENS = 3
 
@@ -446,14 +447,17 @@ def shard_name(temperature: float, index: int) -> str:
 
 
 def _write_atomic_gzip(path: Path, lines: list[str]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as raw:
-        # mtime=0: the same answers give the same bytes (stable hashes in git).
-        with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz:
-            gz.write("".join(line + "\n" for line in lines).encode("utf-8"))
-        raw.flush()
-        os.fsync(raw.fileno())
-    os.replace(tmp, path)
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as raw:
+            # mtime=0 and a fixed name: the same answers give the same bytes
+            # (stable hashes in git).
+            name = f".{path.name}.tmp"
+            with gzip.GzipFile(name, mode="wb", fileobj=raw, mtime=0) as gz:
+                gz.write("".join(line + "\n" for line in lines).encode("utf-8"))
+            raw.flush()
+            os.fsync(raw.fileno())
+
+    write_atomic(path, write)
     try:
         fd = os.open(path.parent, os.O_RDONLY)
     except OSError:

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from .errors import DSparkError
-from .structured import cache_dir
+from .utils import cache_dir
 
 TARGET_NAME = "smollm2-135m-instruct-f32"
 INSTALL_HINT = (

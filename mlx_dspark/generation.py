@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,6 +102,7 @@ def stream_generate(
     xtc_probability: float = 0.0,
     xtc_threshold: float = 0.1,
     xtc_special_tokens: Sequence[int] = (),
+    profile_progress: Callable[[int, int], None] | None = None,
 ) -> Generator[DSparkResponse, None, None]:
     """Like ``mlx_lm.stream_generate``; ``drafter=None`` decodes with the target alone.
 
@@ -111,7 +112,8 @@ def stream_generate(
     decoding included, with the best predicted tokens/s) or None: adaptive
     when no other DSpark argument is given, an explicit ``num_draft`` means
     always that many (see :func:`~mlx_dspark.policies.resolve_policy`).
-    ``profile="refresh"`` re-measures the cost profile. Responses carry
+    ``profile="refresh"`` re-measures the cost profile;
+    ``profile_progress(done, total)`` follows a measurement. Responses carry
     ``stats`` and ``telemetry``.
 
     ``tree_budget`` > 0 drafts a tree of that many nodes per round instead of
@@ -149,7 +151,13 @@ def stream_generate(
         cap = _check_num_draft(num_draft, drafter)
         # The policy needs to know whether num_draft was given (always that many).
         resolved = resolve_policy(
-            model, drafter, scheduler, confidence_threshold, num_draft, profile
+            model,
+            drafter,
+            scheduler,
+            confidence_threshold,
+            num_draft,
+            profile,
+            progress=profile_progress,
         )
         num_draft = cap
         telemetry = resolved.policy.telemetry

@@ -247,7 +247,7 @@ def build_drafter(
         share_embed = share_head = False
     else:
         share_embed = not own_embed or _shareable(
-            own_embed, "embed_tokens", target.inner.embed_tokens.weight
+            own_embed, "embed_tokens", target.embedding.weight
         )
         share_head = not config.reduced_vocab and (
             not own_head or _shareable(own_head, "lm_head", _target_head_weight(target))
@@ -347,9 +347,7 @@ def _check_draft_to_target(table: mx.array, config: DraftConfig) -> mx.array:
 
 
 def _target_head_weight(target: TargetAdapter) -> mx.array:
-    if "lm_head" in target.text:
-        return target.text.lm_head.weight
-    return target.inner.embed_tokens.weight
+    return target.head.weight
 
 
 def load_drafter(

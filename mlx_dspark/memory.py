@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import sys
 import time
 from collections.abc import Callable
@@ -164,8 +165,8 @@ def active_memory_bytes() -> int:
         return 0
 
 
-def _stderr(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+def _warn(message: str) -> None:
+    logging.getLogger("mlx_dspark").warning(message)
 
 
 @dataclass
@@ -184,7 +185,7 @@ class MemoryGuard:
     interval_ms: float = 500.0
     clock: Callable[[], float] = time.monotonic
     clear_cache: Callable[[], None] = mx.clear_cache
-    log: Callable[[str], None] = _stderr
+    log: Callable[[str], None] = _warn
     level: PressureLevel = PressureLevel.NORMAL
     _last_sample: float | None = field(default=None, init=False, repr=False)
     _warned: bool = field(default=False, init=False, repr=False)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -219,7 +219,7 @@ def resolve_policy(
     profile: str = "auto",
     settings: SchedulerSettings | None = None,
     memory_source=None,
-    progress: bool = True,
+    progress: Callable[[int, int], None] | None = None,
 ) -> ResolvedPolicy:
     """Build the draft policy for ``scheduler`` = off | threshold | auto |
     adaptive | None.

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
+import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
@@ -25,8 +25,8 @@ from .drafter import DSparkDrafter
 from .errors import DSparkError
 from .sampling import SamplingParams
 from .scheduler import StepRateCurve
-from .structured import cache_dir
 from .target import TargetAdapter
+from .utils import cache_dir, write_text_atomic
 
 PROFILE_VERSION = 1
 DEFAULT_CONTEXTS = (64, 256)
@@ -96,19 +96,6 @@ def profile_path(key: dict) -> Path:
     return cache_dir() / "profiles" / f"{_digest([key])}.json"
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to a temporary file beside ``path`` and rename it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _median_time(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -124,12 +111,11 @@ def measure_profile(
     n_max: int | None = None,
     contexts: tuple[int, ...] = DEFAULT_CONTEXTS,
     repeats: int = 3,
-    progress: bool = True,
+    progress: Callable[[int, int], None] | None = None,
 ) -> StepRateCurve:
     """Seconds per target forward at 1..n_max+1 query tokens and per drafter
-    block, at each context length; the curve averages over the contexts."""
-    from rich.progress import Progress
-
+    block, at each context length; the curve averages over the contexts.
+    ``progress(done, total)`` follows every measurement."""
     n_max = drafter.block_size if n_max is None else n_max
     sizes = list(range(1, n_max + 2))
     vocab = target.vocab_size
@@ -137,40 +123,46 @@ def measure_profile(
     per_context: dict[int, dict[int, float]] = {}
     draft_times: dict[int, float] = {}
     total = len(contexts) * (len(sizes) + 1)
-    with Progress(transient=True, disable=not progress) as bar:
-        task = bar.add_task("Profiling target and drafter", total=total)
-        for context in contexts:
-            prompt = mx.array(rng.integers(0, vocab - 1, context))
-            cache = target.make_cache()
-            logits, features = target(prompt[None], cache)
-            mx.eval(logits, features)
-            timings = {}
-            for size in sizes:
-                tokens = mx.array(rng.integers(0, vocab - 1, (1, size)))
+    done = 0
 
-                def forward(tokens=tokens, size=size, cache=cache):
-                    out = target(tokens, cache)
-                    mx.eval(out)
-                    target.rollback(cache, size)
+    def advance() -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total)
 
-                forward()  # warm-up
-                timings[size] = _median_time(forward, repeats)
-                bar.advance(task)
-            per_context[context] = timings
-            anchor = mx.array([int(prompt[-1].item())])
-            block = drafter.block_tokens(anchor)
+    for context in contexts:
+        prompt = mx.array(rng.integers(0, vocab - 1, context))
+        cache = target.make_cache()
+        logits, features = target(prompt[None], cache)
+        mx.eval(logits, features)
+        timings = {}
+        for size in sizes:
+            tokens = mx.array(rng.integers(0, vocab - 1, (1, size)))
 
-            def draft(features=features, block=block, anchor=anchor, context=context):
-                draft_cache = drafter.make_cache()
-                hidden = drafter(block, context, features, draft_cache)
-                proposal = drafter.propose(
-                    hidden, anchor, drafter.block_size, SamplingParams(), None
-                )
-                mx.eval(proposal.tokens, proposal.confidence)
+            def forward(tokens=tokens, size=size, cache=cache):
+                out = target(tokens, cache)
+                mx.eval(out)
+                target.rollback(cache, size)
 
-            draft()
-            draft_times[context] = _median_time(draft, repeats)
-            bar.advance(task)
+            forward()  # warm-up
+            timings[size] = _median_time(forward, repeats)
+            advance()
+        per_context[context] = timings
+        anchor = mx.array([int(prompt[-1].item())])
+        block = drafter.block_tokens(anchor)
+
+        def draft(features=features, block=block, anchor=anchor, context=context):
+            draft_cache = drafter.make_cache()
+            hidden = drafter(block, context, features, draft_cache)
+            proposal = drafter.propose(
+                hidden, anchor, drafter.block_size, SamplingParams(), None
+            )
+            mx.eval(proposal.tokens, proposal.confidence)
+
+        draft()
+        draft_times[context] = _median_time(draft, repeats)
+        advance()
     seconds = {
         size: float(np.mean([per_context[c][size] for c in contexts])) for size in sizes
     }
@@ -203,7 +195,7 @@ def get_profile(
     model: nn.Module,
     drafter: DSparkDrafter,
     profile: str = "auto",
-    progress: bool = True,
+    progress: Callable[[int, int], None] | None = None,
     **measure_kwargs,
 ) -> StepRateCurve:
     """``"auto"``: the cached profile, measured and cached when missing;
@@ -215,11 +207,14 @@ def get_profile(
         if cached is not None:
             return cached
     key = profile_key(model, drafter)
+    logging.getLogger("mlx_dspark").info(
+        "Measuring this pair's cost profile on this machine into %s.", profile_path(key)
+    )
     target = TargetAdapter(model, drafter.config.target_layer_ids)
     curve = measure_profile(target, drafter, progress=progress, **measure_kwargs)
     curve.meta["key"] = key
     try:
-        write_atomic(profile_path(key), curve.to_json())
+        write_text_atomic(profile_path(key), curve.to_json())
     except OSError:
         pass  # an unwritable cache only costs a re-measurement next time
     return curve

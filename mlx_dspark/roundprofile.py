@@ -241,30 +241,3 @@ def verify_overhead(
             }
         )
     return rows
-
-
-def render(
-    profiles: dict[int, dict[str, float]], overhead: list[dict[str, float]], console
-) -> None:
-    """Print the stage table (one column per draft length) and the verify table."""
-    from rich.table import Table
-
-    table = Table(title="Where a round's time goes (ms per round, greedy)")
-    table.add_column("stage")
-    for n in profiles:
-        table.add_column(f"fixed-{n}", justify="right")
-    for stage in (*STAGES, "round (instrumented)", "round (generation loop)"):
-        table.add_row(stage, *(f"{p[stage]:.2f}" for p in profiles.values()))
-    table.add_row("rounds", *(str(int(p["rounds"])) for p in profiles.values()))
-    console.print(table)
-    verify = Table(title="Target forward: adapter vs mlx-lm (ms, median, interleaved)")
-    for name in ("query tokens", "adapter", "mlx-lm", "adapter / mlx-lm"):
-        verify.add_column(name, justify="right")
-    for row in overhead:
-        verify.add_row(
-            str(row["query_tokens"]),
-            f"{row['adapter_ms']:.2f}",
-            f"{row['mlx_lm_ms']:.2f}",
-            f"{row['ratio']:.3f}",
-        )
-    console.print(verify)

@@ -18,7 +18,6 @@ continuation, which is why its target repeats tokens instead.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from mlx_lm.models import qwen3
 
 from .config import DraftConfig
 from .drafter import DSparkDrafter
+from .utils import cache_dir
 
 
 @dataclass
@@ -294,13 +294,6 @@ def rescale_perturbation(model, old: float, new: float) -> None:
     ]
     model.load_weights(updates, strict=False)
     mx.eval(model.parameters())
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("MLX_DSPARK_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mlx_dspark"
-    )
-    return Path(root)
 
 
 def cached_pair(

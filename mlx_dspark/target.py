@@ -238,6 +238,22 @@ class TargetAdapter:
     def num_layers(self) -> int:
         return len(self.layers)
 
+    @property
+    def embedding(self) -> nn.Module:
+        """The token embedding module (its weights, e.g. for sharing)."""
+        return self.inner.embed_tokens
+
+    @property
+    def tied_head(self) -> bool:
+        """Whether the LM head is the embedding matrix (no ``lm_head`` module)."""
+        return "lm_head" not in self.text
+
+    @property
+    def head(self) -> nn.Module:
+        """The module holding the LM head matrix: ``lm_head``, or the embedding
+        when tied. Logits come from :meth:`lm_head`."""
+        return self.embedding if self.tied_head else self.text.lm_head
+
     def embed(self, tokens: mx.array) -> mx.array:
         return self.inner.embed_tokens(tokens)
 

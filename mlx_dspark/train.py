@@ -10,17 +10,17 @@ Block position ``k`` predicts token ``anchor + k + 1``; the loss is in
 :mod:`mlx_dspark.training.loss`, the loop in :mod:`mlx_dspark.training.trainer`.
 A Gemma-4 target gets DeepSpec's ``Gemma4DSparkModel`` drafter
 (:func:`mlx_dspark.training.model.gemma4_config`); the rest is the same.
-This module holds the arguments, :func:`train` and the command line.
+This module holds the arguments and :func:`train`; the command line is in
+:mod:`mlx_dspark.cli.train`.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
+import logging
 import math
 import shutil
-import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,7 +30,7 @@ import mlx.optimizers as optim
 import numpy as np
 
 from .data import load_sequences, regenerate, sha256
-from .errors import DSparkError, run_cli
+from .errors import DSparkError
 from .target import TargetAdapter
 from .training.batches import Batch, DraftVocabulary, draft_vocabulary, make_batch
 from .training.checkpoint import (
@@ -52,20 +52,20 @@ from .training.trainer import (
     LoopState,
     make_step,
     optimise,
-    progress_bar,
     schedule,
 )
 
 __all__ = [
     "TrainArgs",
     "TrainResult",
-    "build_parser",
     "default_layer_ids",
     "main",
     "new_drafter",
     "train",
     "training_hidden",
 ]
+logger = logging.getLogger("mlx_dspark")
+
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
@@ -123,10 +123,20 @@ class TrainResult:
     history: list = field(default_factory=list)
 
 
+Progress = Callable[[str, int, int, str], None]
+
+
 def train(
-    args: TrainArgs, should_stop: Callable[[int], bool] | None = None
+    args: TrainArgs,
+    should_stop: Callable[[int], bool] | None = None,
+    progress: Progress | None = None,
 ) -> TrainResult:
-    """Train a drafter; ``should_stop(step)`` can request a clean stop (tests)."""
+    """Train a drafter; ``should_stop(step)`` can request a clean stop (tests).
+
+    ``progress(stage, done, total, metrics)`` follows the stages
+    ("regenerating", "teacher store", "training"); the CLI draws it.
+    """
+    stage = _stage_progress(progress)
     _check_args(args)
     out = Path(args.out).expanduser()
     ckpt = checkpoint_path(out)
@@ -138,7 +148,9 @@ def train(
         {"path": str(p), "sha256": sha256(p)} for p in args.data if Path(p).is_file()
     ]
     data_files = (
-        _regenerated(args, out, model, tokenizer) if args.regenerate else args.data
+        _regenerated(args, out, model, tokenizer, stage("regenerating"))
+        if args.regenerate
+        else args.data
     )
     sequences, report = load_sequences(data_files, tokenizer, args.seq_len)
     _say(args, f"data: {report.summary()}")
@@ -169,7 +181,10 @@ def train(
         if args.resume
         else LoopState()
     )
-    teacher = _teacher(args, target, target_path, sequences, data_hashes, draft_ids)
+    teacher = _teacher(
+        args, target, target_path, sequences, data_hashes, draft_ids,
+        stage("teacher store"),
+    )  # fmt: skip
 
     def save(state: LoopState) -> None:
         save_checkpoint(ckpt, drafter, optimizer, _snapshot(identity, state))
@@ -178,14 +193,16 @@ def train(
     status, final = optimise(
         make_step(drafter, optimizer, args.grad_clip), next_batch, teacher, state,
         total, log_every=args.log_every, checkpoint_every=args.checkpoint_every,
-        save=save, should_stop=should_stop, quiet=args.quiet,
+        save=save, should_stop=should_stop, progress=stage("training"),
     )  # fmt: skip
     save(state)
     if status == "interrupted":
-        print(
-            f"stopped at step {state.step}/{total}; checkpoint saved to {ckpt}; "
-            "rerun with --resume to continue",
-            file=sys.stderr,
+        logger.warning(
+            "stopped at step %d/%d; checkpoint saved to %s; rerun with --resume "
+            "to continue",
+            state.step,
+            total,
+            ckpt,
         )
         return TrainResult(status, None, ckpt, state.step, final, state.history)
     record = _record(args, target_path, layer_ids, mask_token_id, inputs, data_hashes,
@@ -295,17 +312,25 @@ def _mask_token_id(args: TrainArgs, target: TargetAdapter) -> int:
     return mask
 
 
-def _regenerated(args: TrainArgs, out: Path, model, tokenizer) -> list[str]:
+def _stage_progress(progress: Progress | None):
+    """Per stage, the library's ``progress(done, total[, metrics])`` callback."""
+
+    def stage(name: str):
+        if progress is None:
+            return None
+        return lambda done, total, metrics="": progress(name, done, total, metrics)
+
+    return stage
+
+
+def _regenerated(args: TrainArgs, out: Path, model, tokenizer, progress) -> list[str]:
     regen_out = Path(args.regenerate_out or str(out) + ".regenerated.jsonl")
-    with progress_bar(args.quiet) as bar:
-        task = bar.add_task("regenerating", total=None, metrics="")
-        path, _ = regenerate(
-            list(args.data), model, tokenizer, regen_out, seq_len=args.seq_len,
-            max_tokens=args.regen_max_tokens, prompt_tokens=args.regen_prompt_tokens,
-            batch_size=args.regen_batch_size, temperature=args.regen_temperature,
-            seed=args.seed,
-            progress=lambda done, total: bar.update(task, completed=done, total=total),
-        )  # fmt: skip
+    path, _ = regenerate(
+        list(args.data), model, tokenizer, regen_out, seq_len=args.seq_len,
+        max_tokens=args.regen_max_tokens, prompt_tokens=args.regen_prompt_tokens,
+        batch_size=args.regen_batch_size, temperature=args.regen_temperature,
+        seed=args.seed, progress=progress,
+    )  # fmt: skip
     _say(args, f"regenerated responses in {path}")
     return [str(path)]
 
@@ -327,7 +352,7 @@ def _draft_vocabulary(args: TrainArgs, sequences, target) -> DraftVocabulary | N
     return vocab
 
 
-def _teacher(args, target, target_path, sequences, data_hashes, draft_ids):
+def _teacher(args, target, target_path, sequences, data_hashes, draft_ids, progress):
     """The teacher store under ``--teacher-store`` (built on first use), or
     the target on the fly."""
     if not args.teacher_store:
@@ -341,12 +366,9 @@ def _teacher(args, target, target_path, sequences, data_hashes, draft_ids):
     directory = Path(args.teacher_store).expanduser() / key[:16]
     if TeacherStore.complete(directory, key):
         return TeacherStore(directory)
-    with progress_bar(args.quiet) as bar:
-        task = bar.add_task("teacher store", total=len(sequences), metrics="")
-        store = TeacherStore.build(
-            directory, key, target, sequences, draft_ids,
-            progress=lambda done, total: bar.update(task, completed=done),
-        )  # fmt: skip
+    store = TeacherStore.build(
+        directory, key, target, sequences, draft_ids, progress=progress
+    )
     _say(args, f"teacher store: {directory} ({store.nbytes / 2**20:.0f} MiB)")
     return store
 
@@ -441,199 +463,13 @@ def _mlx_lm_version() -> str:
 
 def _say(args: TrainArgs, message: str) -> None:
     if not args.quiet:
-        print(message, flush=True)
-
-
-# ---------------------------------------------------------------------------- CLI
-
-
-def _layer_ids(value: str) -> list[int]:
-    try:
-        return [int(v) for v in value.replace(",", " ").split()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected integers like 1,8,15, got {value!r}"
-        ) from None
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="mlx_dspark.train",
-        description="Train a DSpark drafter for an mlx-lm target model.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    d = TrainArgs(model="", data=[], out="")
-
-    def add(flag: str, *more: str, **kwargs) -> None:
-        if kwargs.get("action") in ("store_true", argparse.BooleanOptionalAction):
-            kwargs.setdefault("default", False)
-        p.add_argument(flag, *more, **kwargs)
-
-    add("--model", required=True, help="Target model path or Hugging Face repo.")
-    add(
-        "--data",
-        nargs="+",
-        required=True,
-        metavar="FILE",
-        help="Text files and/or JSONL files (messages, prompt/completion, text, tokens).",
-    )
-    add("--out", required=True, help="Output drafter directory (DeepSpec format).")
-    add("--block-size", type=int, default=d.block_size, help="Tokens per draft block.")
-    add("--layers", type=int, default=d.layers, help="Draft decoder layers.")
-    add(
-        "--markov-head",
-        default=d.markov_head,
-        choices=["vanilla", "gated", "rnn", "none"],
-        help="Sequential head over the block (none: parallel drafts only).",
-    )
-    add("--markov-rank", type=int, default=d.markov_rank, help="Sequential head rank.")
-    add(
-        "--draft-vocab",
-        type=int,
-        default=None,
-        metavar="N",
-        help="Draft over the N most frequent training tokens only (smaller, faster "
-        "drafter; still lossless); none = the target's whole vocabulary.",
-    )
-    add(
-        "--target-layer-ids",
-        type=_layer_ids,
-        default=None,
-        help="Target layers to tap, e.g. 1,8,15 (-1 = embeddings); none = spread "
-        "evenly.",
-    )
-    add(
-        "--confidence",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="Train the confidence head.",
-    )
-    add(
-        "--mask-token-id",
-        type=int,
-        default=None,
-        help="Mask token id; none = the last vocabulary id.",
-    )
-    group = p.add_mutually_exclusive_group()
-    group.add_argument(
-        "--steps", type=int, default=None, help="Optimizer steps (or --epochs)."
-    )
-    group.add_argument(
-        "--epochs", type=float, default=None, help="Passes over the data; none = 1."
-    )
-    add("--batch-size", type=int, default=d.batch_size, help="Sequences per step.")
-    add("--anchors", type=int, default=d.anchors, help="Blocks per sequence.")
-    add("--lr", type=float, default=d.lr, help="Peak learning rate (AdamW).")
-    add("--warmup", type=float, default=d.warmup, help="Warm-up fraction of steps.")
-    add("--weight-decay", type=float, default=d.weight_decay, help="AdamW decay.")
-    add(
-        "--grad-clip",
-        type=float,
-        default=d.grad_clip,
-        help="Gradient norm clip (0 = off).",
-    )
-    add("--seq-len", type=int, default=d.seq_len, help="Tokens per sequence.")
-    add("--gamma", type=float, default=d.gamma, help="Position-weight decay.")
-    add("--seed", type=int, default=d.seed, help="Random seed.")
-    add("--resume", action="store_true", help="Continue from the checkpoint.")
-    add(
-        "--checkpoint-every",
-        type=int,
-        default=d.checkpoint_every,
-        help="Steps between checkpoints (beside --out, as OUT.checkpoint).",
-    )
-    add(
-        "--keep-checkpoint",
-        action="store_true",
-        help="Keep OUT.checkpoint after a finished run (drafter and optimizer "
-        "state, several times the drafter's size); by default it is removed.",
-    )
-    add(
-        "--teacher-store",
-        "--cache-features",
-        dest="teacher_store",
-        default=None,
-        metavar="DIR",
-        help="Compute the target's features and distributions once, into DIR "
-        "(memory-mapped; reused by later runs on the same data); none = run the "
-        "target on the fly every step.",
-    )
-    add(
-        "--init-from-target",
-        action="store_true",
-        help="Start the draft layers from the target's top decoder layers.",
-    )
-    add(
-        "--regenerate",
-        action="store_true",
-        help="First let the target write the responses.",
-    )
-    add(
-        "--regenerate-out",
-        default=None,
-        metavar="FILE",
-        help="Where the regenerated responses go; none = OUT.regenerated.jsonl.",
-    )
-    add(
-        "--regen-max-tokens",
-        type=int,
-        default=d.regen_max_tokens,
-        help="Tokens per regenerated answer.",
-    )
-    add(
-        "--regen-prompt-tokens",
-        type=int,
-        default=d.regen_prompt_tokens,
-        help="Prompt tokens taken from plain-text chunks.",
-    )
-    add(
-        "--regen-temperature",
-        type=float,
-        default=d.regen_temperature,
-        help="Sampling temperature of the regeneration.",
-    )
-    add(
-        "--regen-batch-size",
-        type=int,
-        default=d.regen_batch_size,
-        help="Prompts answered together.",
-    )
-    add(
-        "--with-embeddings",
-        action="store_true",
-        help="Also write embed_tokens/lm_head copies, as DeepSpec does.",
-    )
-    add("--dtype", default=d.dtype, choices=list(DTYPES), help="Training dtype.")
-    add(
-        "--quantize-bits",
-        type=int,
-        default=None,
-        choices=[2, 3, 4, 6, 8],
-        help="Write the drafter quantized (MLX format) to this many bits; none = "
-        "float.",
-    )
-    add(
-        "--quantize-group-size",
-        type=int,
-        default=d.quantize_group_size,
-        help="Quantization group size.",
-    )
-    add("--force", action="store_true", help="Replace an existing output.")
-    add("--log-every", type=int, default=d.log_every, help="Steps between log lines.")
-    add("--quiet", action="store_true", help="No progress or messages.")
-    return p
-
-
-def _main() -> None:
-    ns = build_parser().parse_args()
-    args = TrainArgs(**vars(ns))
-    result = train(args)
-    if result.status == "interrupted":
-        raise SystemExit(130)
+        logger.info(message)
 
 
 def main() -> None:
-    run_cli(_main)
+    from .cli.train import main as cli_main
+
+    cli_main()
 
 
 if __name__ == "__main__":

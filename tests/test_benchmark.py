@@ -320,7 +320,7 @@ def assert_readable_at_80_columns(report):
 
     from rich.console import Console
 
-    from mlx_dspark.benchmark import render
+    from mlx_dspark.cli.benchmark import render
 
     console = Console(width=80, file=io.StringIO(), record=True)
     render(report, console)

@@ -456,9 +456,7 @@ def test_stream_generate_with_the_scheduler_and_tree_refusal(
     tokenizer = load_tokenizer(tmp_path)
     adapter = TargetAdapter(model, TAPS)
     drafter = random_drafter(adapter, "vanilla")
-    curve = get_profile(
-        model, drafter, profile="refresh", progress=False, contexts=(8, 20)
-    )
+    curve = get_profile(model, drafter, profile="refresh", contexts=(8, 20))
     assert len(curve.batch_sizes) == drafter.block_size + 1
     prompt = PROMPTS[1]
     expected = plain_greedy(model, prompt, 24)

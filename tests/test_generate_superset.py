@@ -95,14 +95,14 @@ def setup(tmp_path_factory):
 
 
 def test_every_mlx_lm_flag_is_accepted_and_documented():
-    from mlx_dspark.generate import _mlx_lm_generate, setup_arg_parser
+    from mlx_dspark.cli.generate import _mlx_lm_generate, setup_arg_parser
 
     theirs = set(_mlx_lm_generate().setup_arg_parser()._option_string_actions)
     mine = set(setup_arg_parser()._option_string_actions)
     assert theirs <= mine
     assert {"--dspark-n-draft", "--dspark-tree", "--num-draft-tokens"} <= mine
     # Every flag of the installed mlx-lm is handled, none refused as unknown.
-    from mlx_dspark.generate import MLX_LM_FLAGS
+    from mlx_dspark.cli.generate import MLX_LM_FLAGS
 
     their_dests = {a.dest for a in _mlx_lm_generate().setup_arg_parser()._actions}
     assert their_dests - {"help"} <= set(MLX_LM_FLAGS)
@@ -115,8 +115,8 @@ def test_every_mlx_lm_flag_is_accepted_and_documented():
 
 
 def test_a_flag_of_a_newer_mlx_lm_is_refused_not_ignored():
+    from mlx_dspark.cli.generate import refuse_unknown, setup_arg_parser
     from mlx_dspark.errors import DSparkError
-    from mlx_dspark.generate import refuse_unknown, setup_arg_parser
 
     parser = setup_arg_parser()
     refuse_unknown(parser, {"model", "temp", "dspark_tree"})
@@ -148,7 +148,7 @@ def test_verbose_output_follows_mlx_lm_format(setup):
 
 
 def test_num_draft_tokens_is_an_alias_of_dspark_n_draft(setup):
-    from mlx_dspark.generate import _num_draft, parse_args
+    from mlx_dspark.cli.generate import _num_draft, parse_args
 
     t, d = setup["target"], setup["drafter"]
     base = ["--model", t, "--draft-model", d, "-p", "t1 t2", "-m", "30"]

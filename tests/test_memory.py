@@ -95,15 +95,16 @@ def test_failing_clear_cache_does_not_crash():
     assert guard.cap(now=0.0) == 1
 
 
-def test_warning_printed_once_to_stderr(capsys):
+def test_warning_logged_once(caplog):
     guard = MemoryGuard(
         source=lambda: C, n_min=2, n_max=8, interval_ms=1.0, clear_cache=lambda: None
     )
-    for i in range(5):
-        assert guard.cap(now=float(i)) == 2
-    err = capsys.readouterr().err
-    assert err.count("critical memory pressure") == 1
-    assert err.count("\n") == 1
+    with caplog.at_level("WARNING", logger="mlx_dspark"):
+        for i in range(5):
+            assert guard.cap(now=float(i)) == 2
+    records = [r for r in caplog.records if r.name == "mlx_dspark"]
+    assert len(records) == 1 and records[0].levelname == "WARNING"
+    assert "critical memory pressure" in records[0].getMessage()
 
 
 def test_linux_sources(tmp_path):

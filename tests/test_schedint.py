@@ -374,7 +374,7 @@ def test_calibrate_cli_end_to_end(pair_factory, tmp_path, capsys):
     resolved = resolve_policy(model, drafter, None, 0.0)
     assert resolved.mode == "adaptive" and resolved.policy.profile is None
     assert resolved.policy.temperatures == data["temperatures"]
-    get_profile(model, drafter, contexts=(16,), repeats=1, progress=False)
+    get_profile(model, drafter, contexts=(16,), repeats=1)
     resolved = resolve_policy(model, drafter, None, 0.0)
     assert resolved.mode == "adaptive" and resolved.policy.profile is not None
     assert resolved.policy.temperatures == data["temperatures"]
@@ -409,20 +409,26 @@ def test_calibrate_cli_end_to_end(pair_factory, tmp_path, capsys):
     )
 
 
-def test_profile_cache(pair_factory, tmp_path):
+def test_profile_cache(pair_factory, tmp_path, caplog):
     model, _, drafter, *_ = pair_factory(block_size=8)
     assert load_profile(model, drafter) is None
-    curve = get_profile(model, drafter, contexts=(16, 32), repeats=1, progress=False)
+    with caplog.at_level("INFO", logger="mlx_dspark"):
+        curve = get_profile(model, drafter, contexts=(16, 32), repeats=1)
+    path = profile_path(profile_key(model, drafter))
+    assert [r.getMessage() for r in caplog.records] == [
+        f"Measuring this pair's cost profile on this machine into {path}."
+    ]
+    caplog.clear()
     assert curve.batch_sizes == list(range(1, 10))
     assert curve.draft_seconds > 0 and all(s > 0 for s in curve.steps_per_second)
     key = profile_key(model, drafter)
     assert set(key) >= {"device", "target", "quantization", "drafter", "mlx"}
     assert profile_path(key).is_file()
-    again = get_profile(model, drafter, contexts=(16,), repeats=1, progress=False)
+    with caplog.at_level("INFO", logger="mlx_dspark"):
+        again = get_profile(model, drafter, contexts=(16,), repeats=1)
     assert again.steps_per_second == curve.steps_per_second  # cached, not measured
-    fresh = get_profile(
-        model, drafter, "refresh", contexts=(16,), repeats=1, progress=False
-    )
+    assert not caplog.records  # a cached profile is read without a word
+    fresh = get_profile(model, drafter, "refresh", contexts=(16,), repeats=1)
     assert fresh.meta["contexts"] == [16]
     assert load_profile(model, drafter).meta["contexts"] == [16]
     # A different drafter is a different key.

@@ -14,6 +14,7 @@ import typer
 
 from ..errors import DSparkError
 from ..sampling import SamplingParams
+from .terminal import run_app
 
 
 def _cli(
@@ -185,22 +186,7 @@ def main(argv: list[str] | None = None, prog: str = "mlx_dspark.server") -> None
     """Run the server; user errors and bad flags end with one sentence."""
     app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
     app.command()(_cli)
-    try:
-        code = app(args=argv, prog_name=prog, standalone_mode=False)
-    except DSparkError as error:
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(1) from None
-    except (KeyboardInterrupt, typer.Abort):
-        print("interrupted", file=sys.stderr)
-        raise SystemExit(130) from None
-    except Exception as error:
-        # click's usage errors and bad values carry a message and an exit code.
-        if not (hasattr(error, "format_message") and hasattr(error, "exit_code")):
-            raise
-        print(f"error: {error.format_message()}", file=sys.stderr)
-        raise SystemExit(1) from None
-    if code:
-        raise SystemExit(code)
+    run_app(app, argv, prog)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -98,15 +97,15 @@ def optimise(
     checkpoint_every: int,
     save: Callable[[LoopState], None],
     should_stop: Callable[[int], bool] | None = None,
-    quiet: bool = False,
+    progress: Callable[[int, int, str], None] | None = None,
 ) -> tuple[str, dict]:
     """Run steps ``state.step .. total``; returns the status ("done" or
-    "interrupted") and the mean metrics over the last tenth of the steps."""
+    "interrupted") and the mean metrics over the last tenth of the steps.
+    ``progress(step, total, metrics)`` follows every step."""
     running = None
     recent: list[list[float]] = []
     status = "done"
-    with StopFlag() as stop, progress_bar(quiet) as bar:
-        task = bar.add_task("training", total=total, completed=state.step, metrics="")
+    with StopFlag() as stop:
         while state.step < total:
             tic = time.perf_counter()
             indices, batch = next_batch(state.step)
@@ -126,11 +125,8 @@ def optimise(
                 f"{n} {v:.3f}" for n, v in zip(METRICS, running, strict=True)
             )
             shown += f"  {state.positions_per_s:.0f} pos/s"
-            bar.update(task, completed=state.step, metrics=shown)
-            if not (quiet or bar.live.is_started) and (
-                state.step % log_every == 0 or state.step == total
-            ):
-                print(f"step {state.step}/{total}  {shown}", flush=True)
+            if progress is not None:
+                progress(state.step, total, shown)
             if checkpoint_every and state.step % checkpoint_every == 0:
                 if state.step < total:
                     save(state)
@@ -165,26 +161,3 @@ class StopFlag:
     def __exit__(self, *exc):
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
-
-
-def progress_bar(quiet: bool):
-    """A rich progress bar on a terminal; disabled (the loop then prints a
-    plain line every ``log_every`` steps) when quiet or writing to a log."""
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[metrics]}"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        disable=quiet or not sys.stdout.isatty(),
-    )

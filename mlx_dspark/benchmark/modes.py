@@ -1,0 +1,303 @@
+"""What the benchmark runs: the pair, the decoding modes and their registry."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from ..drafter import DSparkDrafter
+from ..errors import DSparkError
+from ..loop import (
+    ChainMode,
+    GenerationStats,
+    RoundStats,
+    ThresholdPolicy,
+    speculative_generate_step,
+)
+from ..policies import resolve_policy
+from ..sampling import SamplingParams
+from ..target import TargetAdapter
+from ..tree import TreeMode
+
+
+@dataclass
+class Pair:
+    """What the modes run on."""
+
+    model: nn.Module
+    tokenizer: Any
+    drafter: DSparkDrafter | None
+    label: str
+    synthetic: bool = False
+    mlx_lm_draft: nn.Module | None = None
+    mlx_lm_draft_label: str | None = None
+    _adapter: TargetAdapter | None = None
+
+    @property
+    def adapter(self) -> TargetAdapter:
+        if self._adapter is None:
+            self._adapter = TargetAdapter(
+                self.model, self.drafter.config.target_layer_ids
+            )
+        return self._adapter
+
+    @property
+    def vocab_size(self) -> int:
+        return TargetAdapter(self.model).vocab_size
+
+
+@dataclass
+class Settings:
+    fixed_n: list[int]
+    thresholds: list[float]
+    mlx_lm_num_draft: int
+    tree_budgets: list[int] = field(default_factory=lambda: [8, 16])
+
+
+@dataclass
+class Run:
+    """One generation: the tokens (stop token excluded) and its timings."""
+
+    tokens: list[int]
+    decode_time: float
+    total_time: float
+    stats: GenerationStats | None = None
+
+
+Runner = Callable[[Pair, list[int], int], Run]
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    kind: str  # "target", "mlx-lm" or "dspark"
+    run: Runner
+    num_draft: int | None = None
+    threshold: float | None = None
+
+
+def _consume(
+    steps: Iterable[tuple[int, bool]], tokenizer, max_tokens: int
+) -> tuple[list[int], list[bool], float, float]:
+    """Drive a token stream as ``stream_generate`` does: detokenize, stop at
+    end-of-sequence (not kept) or ``max_tokens``; time decoding after the
+    first token."""
+    eos = set(tokenizer.eos_token_ids)
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    tokens, drafted = [], []
+    tic = time.perf_counter()
+    first = None
+    for token, from_draft in steps:
+        if first is None:
+            first = time.perf_counter()
+        if token in eos:
+            break
+        detokenizer.add_token(token)
+        tokens.append(int(token))
+        drafted.append(bool(from_draft))
+        if len(tokens) == max_tokens:
+            break
+    detokenizer.finalize()
+    end = time.perf_counter()
+    return tokens, drafted, end - (first or end), end - tic
+
+
+def _mlx_lm_steps(pair: Pair, prompt: list[int], max_tokens: int, **kwargs):
+    from mlx_lm.generate import stream_generate
+
+    for response in stream_generate(
+        pair.model, pair.tokenizer, mx.array(prompt), max_tokens=max_tokens, **kwargs
+    ):
+        yield response.token, response.from_draft
+
+
+def run_target(pair: Pair, prompt: list[int], max_tokens: int) -> Run:
+    tokens, _, decode, total = _consume(
+        _mlx_lm_steps(pair, prompt, max_tokens), pair.tokenizer, max_tokens
+    )
+    return Run(tokens, decode, total)
+
+
+def _rounds_from_flags(drafted: list[bool], num_draft: int) -> GenerationStats:
+    """Rounds of mlx-lm's speculative decoding, from its ``from_draft`` flags:
+    each target-sampled token closes a round (it verified ``num_draft``)."""
+    stats, accepted = GenerationStats(), 0
+    for flag in drafted[1:]:
+        if flag:
+            accepted += 1
+        else:
+            stats.rounds.append(RoundStats(num_draft, num_draft, accepted))
+            accepted = 0
+    return stats
+
+
+def mlx_lm_runner(num_draft: int) -> Runner:
+    def run(pair: Pair, prompt: list[int], max_tokens: int) -> Run:
+        steps = _mlx_lm_steps(
+            pair,
+            prompt,
+            max_tokens,
+            draft_model=pair.mlx_lm_draft,
+            num_draft_tokens=num_draft,
+        )
+        tokens, drafted, decode, total = _consume(steps, pair.tokenizer, max_tokens)
+        return Run(tokens, decode, total, _rounds_from_flags(drafted, num_draft))
+
+    return run
+
+
+def dspark_runner(
+    num_draft: int | None,
+    policy: Callable[[Pair], Any],
+    mode: Callable[[], Any] = ChainMode,
+) -> Runner:
+    """A runner for the one DSpark loop with a policy and a mode plugged in."""
+
+    def run(pair: Pair, prompt: list[int], max_tokens: int) -> Run:
+        stats = GenerationStats()
+        steps = speculative_generate_step(
+            mx.array(prompt),
+            pair.adapter,
+            pair.drafter,
+            params=SamplingParams(),
+            num_draft=num_draft,
+            max_tokens=max_tokens,
+            policy=policy(pair),
+            mode=mode(),
+            seed=0,
+            stats=stats,
+        )
+        tokens, _, decode, total = _consume(steps, pair.tokenizer, max_tokens)
+        return Run(tokens, decode, total, stats)
+
+    return run
+
+
+def _target_modes(pair: Pair, settings: Settings) -> list[Variant]:
+    return [Variant("target", "target", run_target)]
+
+
+def _mlx_lm_modes(pair: Pair, settings: Settings) -> list[Variant]:
+    if pair.mlx_lm_draft is None:
+        return []
+    n = settings.mlx_lm_num_draft
+    return [Variant(f"mlx-lm-spec-{n}", "mlx-lm", mlx_lm_runner(n), num_draft=n)]
+
+
+def _fixed_modes(pair: Pair, settings: Settings) -> list[Variant]:
+    return [
+        Variant(
+            f"dspark-fixed-{n}",
+            "dspark",
+            dspark_runner(n, lambda pair: ThresholdPolicy(0.0)),
+            num_draft=n,
+        )
+        for n in settings.fixed_n
+    ]
+
+
+def _threshold_modes(pair: Pair, settings: Settings) -> list[Variant]:
+    block = pair.drafter.block_size
+    return [
+        Variant(
+            f"dspark-threshold-{t:g}",
+            "dspark",
+            dspark_runner(block, lambda pair, t=t: ThresholdPolicy(t)),
+            num_draft=block,
+            threshold=t,
+        )
+        for t in settings.thresholds
+    ]
+
+
+def _scheduler_modes(pair: Pair, settings: Settings) -> list[Variant]:
+    def policy(pair: Pair):
+        return resolve_policy(pair.model, pair.drafter, "auto").policy
+
+    block = pair.drafter.block_size
+    return [Variant("dspark-scheduler", "dspark", dspark_runner(block, policy), block)]
+
+
+def _default_modes(pair: Pair, settings: Settings) -> list[Variant]:
+    """What runs when the user passes no DSpark flags (the adaptive policy)."""
+
+    def policy(pair: Pair):
+        return resolve_policy(pair.model, pair.drafter, None).policy
+
+    block = pair.drafter.block_size
+    return [Variant("dspark-default", "dspark", dspark_runner(None, policy), block)]
+
+
+def _tree_modes(pair: Pair, settings: Settings) -> list[Variant]:
+    block = pair.drafter.block_size
+    return [
+        Variant(
+            f"dspark-tree-{budget}",
+            "dspark",
+            dspark_runner(
+                block, lambda pair: ThresholdPolicy(0.0), lambda b=budget: TreeMode(b)
+            ),
+            num_draft=block,
+        )
+        for budget in settings.tree_budgets
+    ]
+
+
+# The mode registry: name -> variants for a pair. Adding a mode (a tree mode,
+# another policy) is one entry; a builder returns [] when it does not apply.
+MODES: dict[str, Callable[[Pair, Settings], list[Variant]]] = {
+    "target": _target_modes,
+    "mlx-lm": _mlx_lm_modes,
+    "fixed": _fixed_modes,
+    "threshold": _threshold_modes,
+    "scheduler": _scheduler_modes,
+    "default": _default_modes,
+    "tree": _tree_modes,
+}
+DRAFTER_MODES = ("fixed", "threshold", "scheduler", "default", "tree")
+
+
+def select_variants(pair: Pair, settings: Settings, names: list[str]) -> list[Variant]:
+    unknown = [n for n in names if n not in MODES]
+    if unknown:
+        raise DSparkError(
+            f"Unknown mode {unknown[0]!r}; choose from {', '.join(MODES)}."
+        )
+    if "target" not in names:
+        names = ["target", *names]  # every speedup is relative to it
+    variants = []
+    for name in names:
+        if name in DRAFTER_MODES and pair.drafter is None:
+            continue
+        variants.extend(MODES[name](pair, settings))
+    return variants
+
+
+def make_useless(drafter: DSparkDrafter) -> None:
+    """Random weights, and no calibration: the one beside the drafter's
+    directory was measured on its real weights."""
+    randomize_weights(drafter)
+    drafter.source_path = None
+
+
+def randomize_weights(model: nn.Module, seed: int = 0) -> None:
+    """Replace every floating-point weight by Gaussian noise of the same shape
+    and spread: a drafter of the right shape that proposes nothing useful."""
+    key = mx.random.key(seed)
+    weights = []
+    for name, value in tree_flatten(model.parameters()):
+        if mx.issubdtype(value.dtype, mx.floating):
+            key, sub = mx.random.split(key)
+            std = mx.maximum(mx.std(value.astype(mx.float32)), 1e-3)
+            noise = mx.random.normal(value.shape, key=sub) * std
+            value = noise.astype(value.dtype)
+        weights.append((name, value))
+    model.load_weights(weights)
+    mx.eval(model.parameters())

@@ -1,0 +1,121 @@
+"""``mlx_dspark calibrate``: fit a drafter's confidence head (STS) for a pair.
+
+The work is in :mod:`mlx_dspark.calibrate`; this module parses the flags and
+renders the result and the progress.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ..calibrate import calibrate_pair
+from ..calibration import CalibrationResult
+from ..errors import DSparkError
+from ..loading import load
+from ..sampling import SamplingParams
+from .terminal import progress_bar, run_app
+
+
+def render_result(result: CalibrationResult, console: Console) -> None:
+    def fmt(value: float) -> str:
+        return "-" if value is None or not math.isfinite(value) else f"{value:.3f}"
+
+    table = Table(title=f"STS calibration ({result.n_rounds} held-out rounds)")
+    for name in ("pos", "T", "ECE raw", "ECE STS", "AUC raw", "AUC STS"):
+        table.add_column(name, justify="right")
+    for k, temp in enumerate(result.temperatures):
+        table.add_row(
+            str(k + 1),
+            fmt(temp),
+            fmt(result.ece_before[k]),
+            fmt(result.ece_after[k]),
+            fmt(result.auc_before[k]),
+            fmt(result.auc_after[k]),
+        )
+    console.print(table)
+
+
+def calibrate(
+    model: str = typer.Option(..., "--model", help="Target model path or repo."),
+    draft_model: str = typer.Option(
+        ..., "--draft-model", help="DSpark drafter path or repo."
+    ),
+    prompts: Path | None = typer.Option(
+        None,
+        "--prompts",
+        help="Text file with one prompt per line (default: built-in chat/code/math set).",
+    ),
+    rounds: int = typer.Option(300, "--rounds", help="Speculative rounds to record."),
+    out: Path | None = typer.Option(
+        None,
+        "--out",
+        help="Output JSON (default: beside the drafter, else the user cache).",
+    ),
+    max_tokens: int = typer.Option(
+        128, "--max-tokens", help="Tokens generated per prompt."
+    ),
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature."),
+    seed: int = typer.Option(0, "--seed", help="Random seed."),
+    plot: bool = typer.Option(
+        True, "--plot/--no-plot", help="Write a reliability diagram PNG.", metavar=""
+    ),
+) -> None:
+    """Fit the confidence head's STS temperatures for a target/drafter pair."""
+    if rounds < 1:
+        raise DSparkError(f"--rounds must be at least 1, got {rounds}.")
+    if max_tokens < 2:
+        raise DSparkError(
+            f"--max-tokens must be at least 2 (a round needs a token to verify), "
+            f"got {max_tokens}."
+        )
+    if temp < 0:
+        raise DSparkError(f"--temp must be >= 0, got {temp}.")
+    texts = None
+    if prompts is not None:
+        try:
+            texts = [
+                line.replace("\\n", "\n")
+                for line in prompts.read_text().splitlines()
+                if line.strip()
+            ]
+        except (OSError, UnicodeDecodeError):
+            raise DSparkError(f"Cannot read the prompts file {prompts}.") from None
+        if not texts:
+            raise DSparkError(f"The prompts file {prompts} has no prompts.")
+    target, tokenizer, drafter = load(model, draft_model)
+    console = Console(stderr=True)
+    with progress_bar("Speculative rounds") as progress:
+        result, path, png = calibrate_pair(
+            target,
+            tokenizer,
+            drafter,
+            prompts=texts,
+            rounds=rounds,
+            params=SamplingParams(temperature=temp),
+            max_tokens=max_tokens,
+            seed=seed,
+            out=out,
+            plot=plot,
+            progress=progress,
+        )
+    render_result(result, Console())
+    console.print(f"Calibration written to {path}")
+    if png is not None:
+        console.print(f"Reliability diagram written to {png}")
+    elif plot:
+        console.print("No reliability diagram: install matplotlib to get one.")
+
+
+def main(argv: list[str] | None = None, prog: str = "mlx_dspark.calibrate") -> None:
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    app.command()(calibrate)
+    run_app(app, argv, prog)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""``mlx_dspark convert``: turn checkpoints into MLX model directories.
+
+Sources are mutually exclusive options (``--gguf``, ``--draft-model``); each
+source has its own handler below. The conversions themselves are in
+:mod:`mlx_dspark.convert.gguf` and :mod:`mlx_dspark.convert.drafter`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import typer
+
+from ..errors import DSparkError
+from .terminal import progress_bar, run_app
+
+DRAFTERS = "Drafters (--draft-model)"
+_DRAFTER_ONLY = ("quantize", "q_bits", "q_group_size", "target")
+
+
+def _choice(flag: str, value, choices: tuple) -> None:
+    if value is not None and value not in choices:
+        names = ", ".join(map(str, choices))
+        raise DSparkError(f"{flag} must be one of {names}, got {value}.")
+
+
+def convert(
+    gguf: str | None = typer.Option(
+        None, "--gguf", metavar="FILE", help="llama-architecture GGUF target model."
+    ),
+    draft_model: str | None = typer.Option(
+        None,
+        "--draft-model",
+        metavar="PATH|REPO",
+        help="DSpark drafter: DeepSpec, speculators 'dspark' or MLX checkpoint.",
+    ),
+    out: str | None = typer.Option(
+        None, "--out", metavar="DIR", help="Output directory."
+    ),
+    force: bool = typer.Option(
+        False, "--force", help="Replace a non-empty --out directory.", metavar=""
+    ),
+    dry_run: bool = typer.Option(
+        False,
+        "--dry-run",
+        help="Print what would be converted and written, then stop.",
+        metavar="",
+    ),
+    dequantize: bool = typer.Option(
+        False,
+        "--dequantize",
+        help="Write quantized GGUF tensors as float16 (faster on CPU).",
+        metavar="",
+    ),
+    quantize: bool = typer.Option(
+        False,
+        "-q",
+        "--quantize",
+        help="Quantize the drafter.",
+        metavar="",
+        rich_help_panel=DRAFTERS,
+    ),
+    q_bits: int | None = typer.Option(
+        None,
+        "--q-bits",
+        metavar="BITS",
+        help="Bits per weight with -q: 2, 3, 4, 6 or 8 (default 4).",
+        rich_help_panel=DRAFTERS,
+    ),
+    q_group_size: int | None = typer.Option(
+        None,
+        "--q-group-size",
+        metavar="SIZE",
+        help="Quantization group size with -q: 32, 64 or 128 (default 64).",
+        rich_help_panel=DRAFTERS,
+    ),
+    target: str | None = typer.Option(
+        None,
+        "--target",
+        metavar="PATH|REPO",
+        help="The target model: leave out the drafter's copies of its embedding "
+        "and LM head, or supply them with --to deepspec.",
+        rich_help_panel=DRAFTERS,
+    ),
+    to: str = typer.Option(
+        "mlx",
+        "--to",
+        metavar="FORMAT",
+        help="Output format: mlx, deepspec or speculators; deepspec and "
+        "speculators (vLLM, SGLang) write float checkpoints, and only speculators "
+        "holds a reduced draft vocabulary.",
+        rich_help_panel=DRAFTERS,
+    ),
+    dtype: str | None = typer.Option(
+        None,
+        "--dtype",
+        metavar="DTYPE",
+        help="dtype of float outputs: float16, bfloat16 or float32 (default: "
+        "float16 for dequantized tensors, GGUF's own type otherwise); float32 "
+        "runs fastest on CPU.",
+    ),
+) -> None:
+    """Convert checkpoints into MLX model directories."""
+    if (gguf is None) == (draft_model is None):
+        raise DSparkError("Give one of --gguf and --draft-model (not both).")
+    _choice("--q-bits", q_bits, (2, 3, 4, 6, 8))
+    _choice("--q-group-size", q_group_size, (32, 64, 128))
+    _choice("--to", to, ("mlx", "deepspec", "speculators"))
+    _choice("--dtype", dtype, ("float16", "bfloat16", "float32"))
+    args = SimpleNamespace(**locals())
+    if args.gguf is not None:
+        used = [f"--{k.replace('_', '-')}" for k in _DRAFTER_ONLY if getattr(args, k)]
+        if used or args.to != "mlx":
+            raise DSparkError(f"{(used or ['--to'])[0]} applies to --draft-model only.")
+        convert_gguf_cli(args)
+    else:
+        convert_drafter_cli(args)
+
+
+def convert_gguf_cli(args: SimpleNamespace) -> None:
+    from ..convert.gguf import convert_gguf, describe_plan, plan_conversion
+
+    if args.dry_run:
+        plan = plan_conversion(args.gguf, dequantize=args.dequantize, dtype=args.dtype)
+        print(describe_plan(plan))
+        return
+    if not args.out:
+        raise DSparkError("--out is required unless --dry-run is given.")
+    with progress_bar("converting tensors") as advance:
+        plan = convert_gguf(
+            args.gguf,
+            args.out,
+            force=args.force,
+            dequantize=args.dequantize,
+            dtype=args.dtype,
+            on_tensor=advance,
+        )
+    print(
+        f"wrote {args.out} ({len(plan.tensors)} tensors, "
+        f"{plan.total_bytes / 2**20:.1f} MiB)"
+    )
+
+
+def convert_drafter_cli(args: SimpleNamespace) -> None:
+    from ..convert.drafter import convert_drafter, describe_plan, plan_drafter
+
+    if args.dequantize:
+        raise DSparkError("--dequantize applies to --gguf only.")
+    options = dict(
+        quantize=args.quantize,
+        bits=args.q_bits,
+        group_size=args.q_group_size,
+        dtype=args.dtype,
+        target=args.target,
+        to=args.to,
+    )
+    if args.dry_run:
+        print(describe_plan(plan_drafter(args.draft_model, **options)))
+        return
+    if not args.out:
+        raise DSparkError("--out is required unless --dry-run is given.")
+    with progress_bar("converting tensors") as advance:
+        plan = convert_drafter(
+            args.draft_model, args.out, force=args.force, on_tensor=advance, **options
+        )
+    kind = f"{plan.bits}-bit MLX drafter" if plan.bits else f"{plan.to} drafter"
+    written = sum(f.stat().st_size for f in Path(args.out).glob("*.safetensors"))
+    print(
+        f"wrote {args.out} ({kind}): {written / 2**20:.1f} MiB of weights "
+        f"from {plan.source_bytes / 2**20:.1f} MiB"
+    )
+
+
+def main(argv: list[str] | None = None, prog: str = "mlx_dspark.convert") -> None:
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    app.command()(convert)
+    run_app(app, argv, prog)
+
+
+if __name__ == "__main__":
+    main()
