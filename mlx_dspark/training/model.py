@@ -24,6 +24,38 @@ def default_layer_ids(num_layers: int) -> list[int]:
     return sorted({int(round(i)) for i in ids})
 
 
+def dspark_keys(
+    adapter: TargetAdapter,
+    layers: int,
+    block_size: int,
+    markov_head: str,
+    markov_rank: int,
+    anchors: int,
+    confidence: bool,
+    mask_token_id: int,
+    draft_vocab_size: int | None,
+) -> dict:
+    """The DSpark keys every drafter config carries, whatever the family."""
+    rank = 0 if markov_head == "none" else markov_rank
+    keys = dict(
+        num_hidden_layers=layers,
+        num_target_layers=adapter.num_layers,
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        target_layer_ids=list(adapter.layer_ids),
+        num_anchors=anchors,
+        markov_rank=rank,
+        markov_head_type=markov_head if rank else "vanilla",
+        enable_confidence_head=confidence,
+        confidence_head_with_markov=bool(confidence and rank),
+        tie_word_embeddings=False,
+        layer_types=["full_attention"] * layers,
+    )
+    if draft_vocab_size is not None:
+        keys["draft_vocab_size"] = draft_vocab_size
+    return keys
+
+
 def drafter_config(
     target_config: dict,
     adapter: TargetAdapter,
@@ -52,28 +84,17 @@ def drafter_config(
         for k, v in target_config.items()
         if k not in ("quantization", "quantization_config", "layer_types")
     }
-    rank = 0 if markov_head == "none" else markov_rank
     head_dim = config.get("head_dim") or (
         adapter.hidden_size // config["num_attention_heads"]
     )
     config.update(
         architectures=["Qwen3DSparkModel"],
         head_dim=head_dim,
-        num_hidden_layers=layers,
-        num_target_layers=adapter.num_layers,
-        block_size=block_size,
-        mask_token_id=mask_token_id,
-        target_layer_ids=list(adapter.layer_ids),
-        num_anchors=anchors,
-        markov_rank=rank,
-        markov_head_type=markov_head if rank else "vanilla",
-        enable_confidence_head=confidence,
-        confidence_head_with_markov=bool(confidence and rank),
-        tie_word_embeddings=False,
-        layer_types=["full_attention"] * layers,
-    )
-    if draft_vocab_size is not None:
-        config["draft_vocab_size"] = draft_vocab_size
+        **dspark_keys(
+            adapter, layers, block_size, markov_head, markov_rank, anchors,
+            confidence, mask_token_id, draft_vocab_size,
+        ),
+    )  # fmt: skip
     config.setdefault("rope_theta", 10000.0)
     config.setdefault("rms_norm_eps", 1e-6)
     return DraftConfig.from_dict(config)
@@ -117,28 +138,17 @@ def gemma4_config(
     }
     for key in ("quantization", "quantization_config", "layer_types"):
         config.pop(key, None)
-    rank = 0 if markov_head == "none" else markov_rank
     config.update(
         architectures=["Gemma4DSparkModel"],
         target_model_type=adapter.model_type,
         target_text_model_type=config.get("model_type", "gemma4_text"),
-        num_hidden_layers=layers,
-        num_target_layers=adapter.num_layers,
         enable_moe_block=False,
         hidden_size_per_layer_input=0,
-        block_size=block_size,
-        mask_token_id=mask_token_id,
-        target_layer_ids=list(adapter.layer_ids),
-        num_anchors=anchors,
-        markov_rank=rank,
-        markov_head_type=markov_head if rank else "vanilla",
-        enable_confidence_head=confidence,
-        confidence_head_with_markov=bool(confidence and rank),
-        tie_word_embeddings=False,
-        layer_types=["full_attention"] * layers,
-    )
-    if draft_vocab_size is not None:
-        config["draft_vocab_size"] = draft_vocab_size
+        **dspark_keys(
+            adapter, layers, block_size, markov_head, markov_rank, anchors,
+            confidence, mask_token_id, draft_vocab_size,
+        ),
+    )  # fmt: skip
     return DraftConfig.from_dict(config)
 
 
