@@ -87,6 +87,7 @@ def test_command_help_is_the_commands_own(command):
     result = family(command, "--help")
     assert result.returncode == 0, result.stderr
     assert f"mlx_dspark {command}" in result.stdout
+    assert "<bool>" not in result.stdout  # no placeholder beside a plain switch
     own = dotted(command, "--help")
     assert own.returncode == 0, own.stderr
     # The same flags, whichever way the command is run.

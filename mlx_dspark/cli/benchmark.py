@@ -70,7 +70,7 @@ from ..benchmark.schema import SCHEMA_VERSION
 from ..default import default_pair
 from ..errors import DSparkError
 from ..utils import write_atomic
-from .terminal import run_app
+from .terminal import run_command
 
 
 def _fmt(value: float | None, spec: str = ".2f") -> str:
@@ -513,9 +513,7 @@ def run(args: SimpleNamespace) -> None:
 
 
 def main(argv: list[str] | None = None, prog: str = "mlx_dspark.benchmark") -> None:
-    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-    app.command()(benchmark)
-    run_app(app, argv, prog)
+    run_command(benchmark, argv, prog)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from ..calibration import CalibrationResult
 from ..errors import DSparkError
 from ..loading import load
 from ..sampling import SamplingParams
-from .terminal import progress_bar, run_app
+from .terminal import progress_bar, run_command
 
 
 def render_result(result: CalibrationResult, console: Console) -> None:
@@ -112,9 +112,7 @@ def calibrate(
 
 
 def main(argv: list[str] | None = None, prog: str = "mlx_dspark.calibrate") -> None:
-    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-    app.command()(calibrate)
-    run_app(app, argv, prog)
+    run_command(calibrate, argv, prog)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import typer
 
 from ..errors import DSparkError
-from .terminal import progress_bar, run_app
+from .terminal import progress_bar, run_command
 
 DRAFTERS = "Drafters (--draft-model)"
 _DRAFTER_ONLY = ("quantize", "q_bits", "q_group_size", "target")
@@ -173,9 +173,7 @@ def convert_drafter_cli(args: SimpleNamespace) -> None:
 
 
 def main(argv: list[str] | None = None, prog: str = "mlx_dspark.convert") -> None:
-    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-    app.command()(convert)
-    run_app(app, argv, prog)
+    run_command(convert, argv, prog)
 
 
 if __name__ == "__main__":

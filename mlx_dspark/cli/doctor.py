@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..doctor import diagnose
-from .terminal import run_app
+from .terminal import run_command
 
 
 def _gib(nbytes: int | None) -> str:
@@ -74,9 +74,7 @@ def doctor(
 
 
 def main(argv: list[str] | None = None, prog: str = "mlx_dspark.doctor") -> None:
-    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-    app.command()(doctor)
-    run_app(app, argv, prog)
+    run_command(doctor, argv, prog)
 
 
 if __name__ == "__main__":

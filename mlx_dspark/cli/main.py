@@ -57,6 +57,7 @@ def build_app() -> typer.Typer:
         add_completion=False,
         no_args_is_help=True,
         pretty_exceptions_enable=False,
+        rich_markup_mode=None,
     )
     for name, (_, summary) in COMMANDS.items():
         app.command(

@@ -14,7 +14,7 @@ import typer
 
 from ..errors import DSparkError
 from ..sampling import SamplingParams
-from .terminal import run_app
+from .terminal import run_command
 
 
 def _cli(
@@ -184,9 +184,7 @@ def _cli(
 
 def main(argv: list[str] | None = None, prog: str = "mlx_dspark.server") -> None:
     """Run the server; user errors and bad flags end with one sentence."""
-    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-    app.command()(_cli)
-    run_app(app, argv, prog)
+    run_command(_cli, argv, prog)
 
 
 if __name__ == "__main__":

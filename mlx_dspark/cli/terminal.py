@@ -113,6 +113,18 @@ class ArgumentParser(argparse.ArgumentParser):
         raise DSparkError(sentence(message))
 
 
+def run_command(
+    command: Callable[..., None], argv: list[str] | None, prog: str
+) -> None:
+    """One typer command, with plain click help (typer's rich panels show a
+    ``<bool>`` placeholder beside ``--help``) and one-sentence errors."""
+    app = typer.Typer(
+        add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None
+    )
+    app.command()(command)
+    run_app(app, argv, prog)
+
+
 def run_app(app: typer.Typer, argv: list[str] | None, prog: str) -> None:
     """Run a typer command with :func:`run_cli`; a bad flag is one sentence too."""
 
