@@ -176,6 +176,8 @@ def main() -> None:
                 args.max_tokens,
                 {},
             )
+            if errors or not latencies:
+                raise SystemExit(f"mlx_lm at {clients} clients: {errors[:3]}")
             row["mlx_lm"] = (tps, statistics.median(latencies), float("nan"))
         rows.append(row)
         print(row, flush=True)
