@@ -119,7 +119,7 @@ def export_drafter(
     if with_embeddings:
         # Kept in the target's own dtype, so that loaders recognise them as
         # the target's and share instead of duplicating them.
-        weights["embed_tokens.weight"] = dense_weight(target.inner.embed_tokens)
+        weights["embed_tokens.weight"] = dense_weight(target.embedding)
         if not drafter.config.reduced_vocab:
             weights["lm_head.weight"] = head_weight(target)
 

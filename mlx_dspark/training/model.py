@@ -264,9 +264,7 @@ def _module(root: nn.Module, path: str) -> nn.Module | None:
 def head_weight(target: TargetAdapter) -> mx.array:
     """The target's LM head matrix ``[vocab, hidden]`` (tied or not), dense;
     a Gemma-4 wrapper's is its text model's."""
-    if "lm_head" in target.text:
-        return dense_weight(target.text.lm_head)
-    return dense_weight(target.inner.embed_tokens)
+    return dense_weight(target.head)
 
 
 def dense_weight(module: nn.Module) -> mx.array:
