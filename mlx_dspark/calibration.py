@@ -273,7 +273,7 @@ class CalibrationResult:
         rates, trials = [], None
         for bins in self.reliability_before:
             rounds = sum(b[2] for b in bins)
-            kept = sum(b[1] * b[2] for b in bins if b[1] is not None)
+            kept = sum(b[1] * b[2] for b in bins if b[2] > 0)  # empty: no rate
             tried = rounds if trials is None else min(trials, rounds)
             rates.append((kept + 0.5) / (tried + 1.0))
             trials = kept

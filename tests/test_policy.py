@@ -140,7 +140,9 @@ def test_a_later_generation_remembers_what_was_measured():
     assert list(fresh.plain_costs) == list(policy.plain_costs)
 
 
-def test_a_calibration_that_measured_poor_acceptance_means_plain_from_the_start():
+def test_a_calibration_that_measured_poor_acceptance_means_plain_from_the_start(
+    tmp_path,
+):
     from mlx_dspark.calibration import CalibrationResult
 
     def calibration(survived):
@@ -155,6 +157,14 @@ def test_a_calibration_that_measured_poor_acceptance_means_plain_from_the_start(
     assert good[0] > 0.85 and good[2] > 0.85
     cap = 3
     assert play(AdaptivePolicy(prior=poor), 1, lambda n: 0, cap) == [0]
+    # Saved and loaded, with empty bins beside the full ones: the same rates.
+    empty = [[None, None, 0.0]]
+    result = calibration([4, 0, 0])
+    result.reliability_before = [pos + empty for pos in result.reliability_before]
+    result.save(tmp_path / "c.json")
+    assert CalibrationResult.load(tmp_path / "c.json").acceptance() == pytest.approx(
+        poor
+    )
     assert play(AdaptivePolicy(prior=good), 1, lambda n: n, cap) == [cap]
 
 
