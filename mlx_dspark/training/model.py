@@ -24,38 +24,6 @@ def default_layer_ids(num_layers: int) -> list[int]:
     return sorted({int(round(i)) for i in ids})
 
 
-def dspark_keys(
-    adapter: TargetAdapter,
-    layers: int,
-    block_size: int,
-    markov_head: str,
-    markov_rank: int,
-    anchors: int,
-    confidence: bool,
-    mask_token_id: int,
-    draft_vocab_size: int | None,
-) -> dict:
-    """The DSpark keys every drafter config carries, whatever the family."""
-    rank = 0 if markov_head == "none" else markov_rank
-    keys = dict(
-        num_hidden_layers=layers,
-        num_target_layers=adapter.num_layers,
-        block_size=block_size,
-        mask_token_id=mask_token_id,
-        target_layer_ids=list(adapter.layer_ids),
-        num_anchors=anchors,
-        markov_rank=rank,
-        markov_head_type=markov_head if rank else "vanilla",
-        enable_confidence_head=confidence,
-        confidence_head_with_markov=bool(confidence and rank),
-        tie_word_embeddings=False,
-        layer_types=["full_attention"] * layers,
-    )
-    if draft_vocab_size is not None:
-        keys["draft_vocab_size"] = draft_vocab_size
-    return keys
-
-
 def drafter_config(
     target_config: dict,
     adapter: TargetAdapter,
@@ -72,13 +40,25 @@ def drafter_config(
     """The target's config plus the DSpark keys, as DeepSpec writes it.
 
     A Gemma-4 target gets a ``Gemma4DSparkModel`` (see :func:`gemma4_config`)."""
+    rank = 0 if markov_head == "none" else markov_rank
+    dspark = dict(
+        num_hidden_layers=layers,
+        num_target_layers=adapter.num_layers,
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        target_layer_ids=list(adapter.layer_ids),
+        num_anchors=anchors,
+        markov_rank=rank,
+        markov_head_type=markov_head if rank else "vanilla",
+        enable_confidence_head=confidence,
+        confidence_head_with_markov=bool(confidence and rank),
+        tie_word_embeddings=False,
+        layer_types=["full_attention"] * layers,
+    )
+    if draft_vocab_size is not None:
+        dspark["draft_vocab_size"] = draft_vocab_size
     if adapter.is_gemma4:
-        return gemma4_config(
-            target_config, adapter, layers=layers, block_size=block_size,
-            markov_head=markov_head, markov_rank=markov_rank, anchors=anchors,
-            confidence=confidence, mask_token_id=mask_token_id,
-            draft_vocab_size=draft_vocab_size,
-        )  # fmt: skip
+        return gemma4_config(target_config, adapter, dspark)
     config = {
         k: v
         for k, v in target_config.items()
@@ -87,14 +67,7 @@ def drafter_config(
     head_dim = config.get("head_dim") or (
         adapter.hidden_size // config["num_attention_heads"]
     )
-    config.update(
-        architectures=["Qwen3DSparkModel"],
-        head_dim=head_dim,
-        **dspark_keys(
-            adapter, layers, block_size, markov_head, markov_rank, anchors,
-            confidence, mask_token_id, draft_vocab_size,
-        ),
-    )  # fmt: skip
+    config.update(architectures=["Qwen3DSparkModel"], head_dim=head_dim, **dspark)
     config.setdefault("rope_theta", 10000.0)
     config.setdefault("rms_norm_eps", 1e-6)
     return DraftConfig.from_dict(config)
@@ -111,22 +84,12 @@ _GEMMA4_HF_DEFAULTS = {
 
 
 def gemma4_config(
-    target_config: dict,
-    adapter: TargetAdapter,
-    *,
-    layers: int,
-    block_size: int,
-    markov_head: str,
-    markov_rank: int,
-    anchors: int,
-    confidence: bool,
-    mask_token_id: int,
-    draft_vocab_size: int | None = None,
+    target_config: dict, adapter: TargetAdapter, dspark: dict
 ) -> DraftConfig:
     """DeepSpec's ``Gemma4DSparkModel`` config for a Gemma-4 target: the
     target's text config (with mlx-lm's defaults filled in, so that global
     head dim, RoPE parameters and soft-capping are explicit), dense layers of
-    full attention without per-layer inputs, and the DSpark keys."""
+    full attention without per-layer inputs, and the DSpark keys ``dspark``."""
     text = target_config
     if adapter.model_type == "gemma4":
         text = target_config.get("text_config") or {}
@@ -144,11 +107,8 @@ def gemma4_config(
         target_text_model_type=config.get("model_type", "gemma4_text"),
         enable_moe_block=False,
         hidden_size_per_layer_input=0,
-        **dspark_keys(
-            adapter, layers, block_size, markov_head, markov_rank, anchors,
-            confidence, mask_token_id, draft_vocab_size,
-        ),
-    )  # fmt: skip
+        **dspark,
+    )
     return DraftConfig.from_dict(config)
 
 
