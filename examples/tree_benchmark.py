@@ -26,9 +26,9 @@ from mlx_lm.generate import generate_step
 from mlx_dspark.loading import load
 from mlx_dspark.loop import GenerationStats, speculative_generate_step
 from mlx_dspark.machine import detect_blas
+from mlx_dspark.modes import TreeMode
 from mlx_dspark.structured import PairSpec, build_structured_pair
 from mlx_dspark.target import TargetAdapter
-from mlx_dspark.tree import TreeMode
 
 PAIRS = {
     "tiny": PairSpec(block_size=8),

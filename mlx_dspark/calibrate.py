@@ -37,6 +37,7 @@ from .errors import DSparkError
 from .loop import RoundStats, speculative_generate_step
 from .profile import _digest, model_fingerprint
 from .sampling import SamplingParams
+from .settings import SpeculationSettings, build_settings
 from .target import TargetAdapter
 from .utils import cache_dir, encode_chat_prompt, write_atomic
 
@@ -129,6 +130,12 @@ def encode_prompts(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
     return encoded
 
 
+def calibration_settings(drafter: DSparkDrafter) -> SpeculationSettings:
+    """Calibration's speculation setup: chains of the full block, every draft
+    verified (a threshold in the environment does not apply)."""
+    return build_settings(drafter.block_size, confidence_threshold=0.0, scheduler="off")
+
+
 def collect_records(
     model: nn.Module,
     drafter: DSparkDrafter,
@@ -143,6 +150,7 @@ def collect_records(
     ``rounds`` rounds are recorded; ``progress(recorded, rounds)`` follows
     every prompt."""
     target = TargetAdapter(model, drafter.config.target_layer_ids)
+    settings = calibration_settings(drafter)
     policy = RecordingPolicy()
     attempt = 0
     while len(policy.records) < rounds:
@@ -153,8 +161,10 @@ def collect_records(
             target,
             drafter,
             params=params,
+            num_draft=settings.num_draft,
             max_tokens=max_tokens,
             policy=policy,
+            mode=settings.make_mode(),
             seed=seed + attempt,
         ):
             if len(policy.records) >= rounds:

@@ -18,9 +18,9 @@ from .errors import DSparkError
 from .loop import GenerationStats, speculative_generate_step
 from .policies import resolve_policy
 from .sampling import SamplingParams
+from .settings import SpeculationSettings, build_settings
 from .target import TargetAdapter
 from .telemetry import Telemetry
-from .tree import TreeMode
 
 logger = logging.getLogger("mlx_dspark")
 
@@ -31,6 +31,7 @@ class DSparkResponse(GenerationResponse):
 
     stats: GenerationStats | None = None
     telemetry: Telemetry | None = None
+    settings: SpeculationSettings | None = None
 
 
 def _encode(
@@ -46,17 +47,6 @@ def _encode(
     if len(prompt) == 0:
         raise DSparkError("The prompt is empty.")
     return mx.array(prompt)
-
-
-def _check_num_draft(num_draft: int | None, drafter: DSparkDrafter) -> int:
-    block = drafter.block_size
-    if num_draft is None:
-        return block
-    if not 0 <= num_draft <= block:
-        raise DSparkError(
-            f"num_draft must be between 0 and the drafter's block size {block}, got {num_draft}."
-        )
-    return num_draft
 
 
 def _target_only_tokens(model, prompt, params: SamplingParams, max_tokens: int, seed):
@@ -93,7 +83,7 @@ def stream_generate(
     min_p: float = 0.0,
     seed: int | None = None,
     num_draft: int | None = None,
-    confidence_threshold: float = 0.0,
+    confidence_threshold: float | None = None,
     scheduler: str | None = None,
     profile: str = "auto",
     tree_budget: int = 0,
@@ -103,6 +93,7 @@ def stream_generate(
     xtc_threshold: float = 0.1,
     xtc_special_tokens: Sequence[int] = (),
     profile_progress: Callable[[int, int], None] | None = None,
+    settings: SpeculationSettings | None = None,
 ) -> Generator[DSparkResponse, None, None]:
     """Like ``mlx_lm.stream_generate``; ``drafter=None`` decodes with the target alone.
 
@@ -111,10 +102,12 @@ def stream_generate(
     memory guard), ``"adaptive"`` (each round the draft length, 0 = plain
     decoding included, with the best predicted tokens/s) or None: adaptive
     when no other DSpark argument is given, an explicit ``num_draft`` means
-    always that many (see :func:`~mlx_dspark.policies.resolve_policy`).
-    ``profile="refresh"`` re-measures the cost profile;
+    always that many. ``confidence_threshold=None`` means
+    ``DSPARK_CONFIDENCE_THRESHOLD`` or off. ``settings`` is a setup already
+    built by :func:`~mlx_dspark.settings.build_settings` from these same
+    arguments (then leave them out). ``profile="refresh"`` re-measures the cost profile;
     ``profile_progress(done, total)`` follows a measurement. Responses carry
-    ``stats`` and ``telemetry``.
+    ``stats``, ``telemetry`` and ``settings`` (with the notes for the user).
 
     ``tree_budget`` > 0 drafts a tree of that many nodes per round instead of
     a chain (``num_draft`` then bounds its depth); 0 drafts a chain.
@@ -126,12 +119,6 @@ def stream_generate(
         tokenizer = TokenizerWrapper(tokenizer)
     if max_tokens < 1:
         raise DSparkError(f"max_tokens must be at least 1, got {max_tokens}.")
-    if not 0.0 <= confidence_threshold <= 1.0:
-        raise DSparkError(
-            f"confidence_threshold must be in [0, 1], got {confidence_threshold}."
-        )
-    if tree_budget < 0:
-        raise DSparkError(f"tree_budget must be >= 0, got {tree_budget}.")
     params = SamplingParams(
         temperature,
         top_p,
@@ -148,18 +135,22 @@ def stream_generate(
     if drafter is None:
         tokens = _target_only_tokens(model, prompt, params, max_tokens, seed)
     else:
-        cap = _check_num_draft(num_draft, drafter)
-        # The policy needs to know whether num_draft was given (always that many).
-        resolved = resolve_policy(
-            model,
-            drafter,
-            scheduler,
-            confidence_threshold,
-            num_draft,
-            profile,
-            progress=profile_progress,
-        )
-        num_draft = cap
+        given = {
+            "num_draft": num_draft,
+            "confidence_threshold": confidence_threshold,
+            "scheduler": scheduler,
+            "profile": None if profile == "auto" else profile,
+            "tree_budget": tree_budget or None,
+        }
+        given = {name: value for name, value in given.items() if value is not None}
+        if settings is None:
+            settings = build_settings(drafter.block_size, **given)
+        elif given:
+            raise DSparkError(
+                f"Pass settings or {next(iter(given))}, not both: settings "
+                "already hold every DSpark argument."
+            )
+        resolved = resolve_policy(model, drafter, settings, progress=profile_progress)
         telemetry = resolved.policy.telemetry
         telemetry.policy, telemetry.note = resolved.mode, resolved.note
         telemetry.calibration = resolved.calibration_path
@@ -168,19 +159,17 @@ def stream_generate(
             logger.info(resolved.note)
         stats = GenerationStats()
         target = TargetAdapter(model, drafter.config.target_layer_ids)
-        mode = None
-        if tree_budget:
+        if settings.tree_budget:
             target.check_tree()
-            mode = TreeMode(tree_budget)
         tokens = speculative_generate_step(
             prompt,
             target,
             drafter,
             params=params,
-            num_draft=num_draft,
+            num_draft=settings.num_draft,
             max_tokens=max_tokens,
             policy=resolved.policy,
-            mode=mode,
+            mode=settings.make_mode(),
             seed=seed,
             stats=stats,
             prefill_step_size=prefill_step_size,
@@ -205,6 +194,7 @@ def stream_generate(
             finish_reason=finish_reason,
             stats=stats,
             telemetry=telemetry,
+            settings=settings,
         )
 
     for n, (token, from_draft) in enumerate(tokens):

@@ -21,10 +21,11 @@ import mlx.core as mx
 import numpy as np
 
 from .drafter import DraftCache, DSparkDrafter, Proposal
+from .modes import ChainMode, RoundMode
 from .sampling import SamplingParams, log_probs, sample
 from .scheduler import threshold_cut
 from .target import TargetAdapter
-from .verify import Verdict, draw, verdict
+from .verify import draw
 
 
 @dataclass
@@ -111,95 +112,6 @@ class ThresholdPolicy:
         return threshold_cut(np.array(proposal.confidence[0, :cap]), self.threshold)
 
 
-class RoundMode(Protocol):
-    """How a round drafts and verifies: a chain (:class:`ChainMode`) or a tree."""
-
-    def propose(
-        self,
-        drafter: DSparkDrafter,
-        hidden: mx.array,
-        anchor: mx.array,
-        cap: int,
-        params: SamplingParams,
-        key: mx.array,
-    ) -> Proposal: ...
-
-    def verify(
-        self,
-        target: TargetAdapter,
-        cache: list,
-        anchor: int,
-        proposal: Proposal,
-        n: int,
-        params: SamplingParams,
-        rng: np.random.Generator,
-    ) -> tuple[Verdict, list[int], mx.array]:
-        """The verdict, the accepted drafts in order and the features to commit."""
-
-
-class ChainMode:
-    """Verify the first ``n`` drafts of one chain in a single target forward."""
-
-    def propose(
-        self,
-        drafter: DSparkDrafter,
-        hidden: mx.array,
-        anchor: mx.array,
-        cap: int,
-        params: SamplingParams,
-        key: mx.array,
-    ) -> Proposal:
-        proposal = drafter.propose(
-            hidden, anchor, cap, params, None if params.greedy else key
-        )
-        # Greedy acceptance never reads the draft logits: leave them lazy.
-        logits = () if params.greedy else (proposal.logits,)
-        mx.eval(proposal.tokens, proposal.confidence, *logits)
-        return proposal
-
-    def verify(
-        self,
-        target: TargetAdapter,
-        cache: list,
-        anchor: int,
-        proposal: Proposal,
-        n: int,
-        params: SamplingParams,
-        rng: np.random.Generator,
-    ) -> tuple[Verdict, list[int], mx.array]:
-        """Returns the verdict, the drafts verified and the features to commit."""
-        drafts = np.array(proposal.tokens[0, :n]).tolist()
-        logits, features = target(mx.array([[anchor, *drafts]]), cache)
-        mx.eval(logits, features)
-        return settle_chain(
-            target, cache, drafts, proposal, logits, features, params, rng
-        )
-
-
-def settle_chain(
-    target: TargetAdapter,
-    cache: list,
-    drafts: list[int],
-    proposal: Proposal,
-    logits: mx.array,
-    features: mx.array | None,
-    params: SamplingParams,
-    rng: np.random.Generator,
-) -> tuple[Verdict, list[int], mx.array | None]:
-    """Accept from a verified chain, roll the cache back, keep the committed features."""
-    n = len(drafts)
-    result = verdict(
-        np.array(drafts, dtype=np.int64),
-        proposal.logits[0, :n],
-        logits[0],
-        params,
-        rng,
-    )
-    target.rollback(cache, n - result.accepted)
-    committed = None if features is None else features[:, : result.accepted + 1]
-    return result, drafts, committed
-
-
 def prefill(
     target: TargetAdapter, prompt: mx.array, cache: list, step: int = 512
 ) -> tuple[mx.array, mx.array]:
@@ -242,7 +154,7 @@ def speculative_generate_step(
     drafter: DSparkDrafter,
     *,
     params: SamplingParams = SamplingParams(),
-    num_draft: int | None = None,
+    num_draft: int,
     max_tokens: int = 256,
     policy: DraftPolicy | None = None,
     mode: RoundMode | None = None,
@@ -252,10 +164,12 @@ def speculative_generate_step(
 ) -> Iterator[tuple[int, bool]]:
     """Yield ``(token, from_draft)`` until ``max_tokens`` tokens are produced.
 
+    ``num_draft`` bounds every round's drafts (the setup's
+    :attr:`~mlx_dspark.settings.SpeculationSettings.num_draft`).
+
     Stopping on end-of-sequence tokens is the caller's job; rounds may commit
     past it, which does not change the tokens before it.
     """
-    num_draft = drafter.block_size if num_draft is None else num_draft
     policy = policy or ThresholdPolicy()
     mode = mode or ChainMode()
     stats = stats if stats is not None else GenerationStats()

@@ -13,7 +13,6 @@ drafts.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -23,11 +22,12 @@ import numpy as np
 
 from .calibration import apply_sts
 from .drafter import Proposal
-from .errors import DSparkError
-from .loop import DraftPolicy, RoundStats, settle_chain
+from .loop import DraftPolicy, RoundStats
 from .memory import MemoryGuard
+from .modes import settle_chain
 from .sampling import SamplingParams
 from .scheduler import SchedulerSettings, StepRateCurve, schedule
+from .settings import SpeculationSettings
 from .target import TargetAdapter
 from .telemetry import Telemetry
 from .verify import Verdict
@@ -170,7 +170,7 @@ def verify_batch(
     Request r sends its anchor and its first ``lengths[r]`` drafts; each
     request keeps its own cache (rolled back after its own rejection) and its
     own random stream. Per request the result equals
-    :meth:`~mlx_dspark.loop.ChainMode.verify` on that request alone:
+    :meth:`~mlx_dspark.modes.ChainMode.verify` on that request alone:
     ``(verdict, drafts verified, features to commit)``.
     """
     drafts = [
@@ -196,12 +196,9 @@ def telemetry_for(found) -> Telemetry:
     return telemetry
 
 
-SCHEDULERS = ("off", "threshold", "auto", "adaptive")
-
-
 @dataclass
 class ResolvedPolicy:
-    """What :func:`resolve_policy` chose: the policy, its mode and why."""
+    """What :func:`resolve_policy` built: the policy, its name and why."""
 
     policy: SchedulerPolicy | MonitoredPolicy | AdaptivePolicy
     mode: str
@@ -213,63 +210,30 @@ class ResolvedPolicy:
 def resolve_policy(
     model,
     drafter,
-    scheduler: str | None = None,
-    confidence_threshold: float = 0.0,
-    num_draft: int | None = None,
-    profile: str = "auto",
-    settings: SchedulerSettings | None = None,
+    settings: SpeculationSettings,
     memory_source=None,
     progress: Callable[[int, int], None] | None = None,
 ) -> ResolvedPolicy:
-    """Build the draft policy for ``scheduler`` = off | threshold | auto |
-    adaptive | None.
+    """Build the draft policy ``settings.policy`` names for this pair (see
+    :func:`~mlx_dspark.settings.build_settings`, which decides it).
 
-    None with no other DSpark setting (no ``num_draft``, no threshold, no
-    ``DSPARK_SCHEDULER_ENABLED``, ``profile="auto"``) picks ``adaptive``
-    (:class:`~mlx_dspark.adaptive.AdaptivePolicy`: the draft length, 0
-    included, with the best predicted tokens/s; it uses the calibration and the
-    cached profile when they exist). A threshold picks ``threshold``; an
-    explicit ``num_draft`` means always that many (``off``). Otherwise
-    (``DSPARK_SCHEDULER_ENABLED`` set, or ``profile="refresh"``) None picks
-    ``auto`` unless the variable is false (then ``threshold`` or ``off``). ``auto``
-    measures the profile when none is cached (``profile="refresh"`` always
-    re-measures) and uses raw confidences when there is no calibration.
-    DSPARK_* variables override ``settings``.
+    ``adaptive`` and ``auto`` use the pair's calibration and cached cost
+    profile when they exist; ``auto`` measures the profile when none is cached
+    (``settings.profile == "refresh"`` always re-measures) and uses raw
+    confidences when there is no calibration.
     """
     from .calibrate import find_calibration
     from .loop import ThresholdPolicy
     from .profile import get_profile, load_profile, profile_key, profile_path
 
-    if scheduler is not None and scheduler not in SCHEDULERS:
-        raise DSparkError(
-            f"scheduler must be one of {', '.join(SCHEDULERS)}, got {scheduler!r}."
-        )
-    if profile not in ("auto", "refresh"):
-        raise DSparkError(f"profile must be 'auto' or 'refresh', got {profile!r}.")
-    base = settings or SchedulerSettings(confidence_threshold=confidence_threshold)
-    settings = SchedulerSettings.from_env(base=base)
-    threshold = settings.confidence_threshold
-    if scheduler == "off" and threshold > 0:
-        raise DSparkError(
-            "A confidence threshold needs --dspark-scheduler threshold, not off."
-        )
+    knobs = settings.scheduler
     found = find_calibration(model, drafter)
     temperatures = None if found is None else list(found[0].temperatures)
     cal_path = None if found is None else str(found[1])
-    note = None
-    env_enabled = "DSPARK_SCHEDULER_ENABLED" in os.environ
-    if scheduler is None and not env_enabled and profile == "auto":
-        if threshold > 0:
-            scheduler = "threshold"
-        elif num_draft is not None:
-            scheduler = "off"
-        else:
-            scheduler = "adaptive"
-    if scheduler == "adaptive":
+    if settings.policy == "adaptive":
         from .adaptive import AdaptivePolicy
 
-        block = drafter.block_size if num_draft is None else num_draft
-        guard = MemoryGuard.from_settings(settings, block, memory_source)
+        guard = MemoryGuard.from_settings(knobs, settings.num_draft, memory_source)
         cached = load_profile(model, drafter)
         policy = AdaptivePolicy(
             temperatures,
@@ -285,25 +249,20 @@ def resolve_policy(
             None if cached is None else str(profile_path(profile_key(model, drafter)))
         )
         return ResolvedPolicy(policy, "adaptive", None, cal_path, used)
-    if scheduler is None:  # DSPARK_SCHEDULER_ENABLED is set, or profile="refresh"
-        if not env_enabled or settings.enabled:
-            scheduler = "auto"
-        else:
-            scheduler = "threshold" if threshold > 0 else "off"
     telemetry = telemetry_for(found)
-    if scheduler != "auto":
-        inner = ThresholdPolicy(threshold if scheduler == "threshold" else 0.0)
+    if settings.policy != "auto":
+        inner = ThresholdPolicy(knobs.confidence_threshold)
         policy = MonitoredPolicy(temperatures, telemetry, inner)
-        return ResolvedPolicy(policy, scheduler, note, cal_path)
+        return ResolvedPolicy(policy, settings.policy, None, cal_path)
+    note = None
     if found is None:
         note = (
             "[dspark] scheduler: auto with raw confidences, because this pair has "
             "no calibration (run mlx_dspark.calibrate)."
         )
-    curve = get_profile(model, drafter, profile, progress=progress)
-    block = drafter.block_size if num_draft is None else num_draft
-    guard = MemoryGuard.from_settings(settings, block, memory_source)
-    policy = SchedulerPolicy(temperatures, telemetry, curve, settings, guard)
+    curve = get_profile(model, drafter, settings.profile, progress=progress)
+    guard = MemoryGuard.from_settings(knobs, settings.num_draft, memory_source)
+    policy = SchedulerPolicy(temperatures, telemetry, curve, knobs, guard)
     used = profile_path(profile_key(model, drafter))
     used = str(used) if used.is_file() else None
     return ResolvedPolicy(policy, "auto", note, cal_path, used)

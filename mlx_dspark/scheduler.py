@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -239,7 +239,7 @@ _ENV = (
         "a fraction between 0 and 1",
     ),
 )
-_VAR = {fld: name for fld, name, _, _ in _ENV}
+ENV_VARS = {fld: name for fld, name, _, _ in _ENV}
 
 
 def _parse(raw: str, name: str, kind: type, what: str) -> bool | int | float:
@@ -261,8 +261,9 @@ def _parse(raw: str, name: str, kind: type, what: str) -> bool | int | float:
 
 @dataclass(frozen=True)
 class SchedulerSettings:
-    """Scheduler and memory-guard knobs. CLI flags build one; DSPARK_* variables
-    override it. ``n_draft_max=None`` means the drafter's block size.
+    """Scheduler and memory-guard knobs. Callers build one; DSPARK_* variables
+    override the fields not given explicitly (see
+    :func:`~mlx_dspark.settings.build_settings`). ``n_draft_max=None`` means the drafter's block size.
 
     Memory fractions are the share of the memory budget in use at which the
     guard reports WARNING / CRITICAL.
@@ -282,14 +283,16 @@ class SchedulerSettings:
         cls,
         env: Mapping[str, str] | None = None,
         base: SchedulerSettings | None = None,
+        keep: Collection[str] = (),
     ) -> SchedulerSettings:
         """``base`` (defaults if None) with every DSPARK_* variable present in
-        ``env`` (os.environ if None) applied; invalid values raise DSparkError."""
+        ``env`` (os.environ if None) applied, except for the fields in ``keep``
+        (given explicitly); invalid values raise DSparkError."""
         env = os.environ if env is None else env
         updates = {
             fld: _parse(env[name], name, kind, what)
             for fld, name, kind, what in _ENV
-            if name in env
+            if name in env and fld not in keep
         }
         settings = replace(base or cls(), **updates)
         settings.validate()
@@ -308,7 +311,7 @@ class SchedulerSettings:
         return min(self.n_draft_min, self.n_max(block_size))
 
     def validate(self) -> None:
-        v = _VAR
+        v = ENV_VARS
         if not 0.0 <= self.confidence_threshold <= 1.0:
             raise DSparkError(f"{v['confidence_threshold']} must be between 0 and 1.")
         if self.n_draft_min < 0:

@@ -18,7 +18,8 @@ from test_sampling import chi_square, chi_square_critical
 from mlx_dspark.config import DraftConfig
 from mlx_dspark.drafter import DSparkDrafter, Proposal
 from mlx_dspark.errors import DSparkError
-from mlx_dspark.loop import ChainMode, GenerationStats, speculative_generate_step
+from mlx_dspark.loop import GenerationStats, speculative_generate_step
+from mlx_dspark.modes import ChainMode
 from mlx_dspark.policies import verify_batch
 from mlx_dspark.sampling import SamplingParams, log_probs
 from mlx_dspark.target import TargetAdapter, WindowKVCache
@@ -413,6 +414,7 @@ def test_sampling_is_exact(head):
             mx.array(SAMPLING_PROMPT),
             adapter,
             drafter,
+            num_draft=drafter.block_size,
             params=params,
             max_tokens=3,
             seed=seed,

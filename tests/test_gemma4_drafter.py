@@ -376,6 +376,7 @@ def test_sampling_is_exact_with_a_gemma4_drafter():
             mx.array(SAMPLING_PROMPT),
             target,
             drafter,
+            num_draft=drafter.block_size,
             params=params,
             max_tokens=3,
             seed=seed,

@@ -128,8 +128,8 @@ class SkipEveryOtherRound:
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_rounds_without_drafting_keep_the_draft_context(pair_factory, mode):
     from mlx_dspark.loop import GenerationStats, speculative_generate_step
+    from mlx_dspark.modes import TreeMode
     from mlx_dspark.target import TargetAdapter
-    from mlx_dspark.tree import TreeMode
 
     model, _, drafter, *_ = pair_factory(block_size=8)
     stats = GenerationStats()
@@ -137,6 +137,7 @@ def test_rounds_without_drafting_keep_the_draft_context(pair_factory, mode):
         mx.array(PROMPTS[0]),
         TargetAdapter(model, drafter.config.target_layer_ids),
         drafter,
+        num_draft=drafter.block_size,
         max_tokens=MAX_TOKENS,
         policy=SkipEveryOtherRound(),
         mode=TreeMode(8) if mode == "tree" else None,

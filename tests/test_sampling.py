@@ -8,7 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_dspark.loop import ChainMode, GenerationStats, speculative_generate_step
+from mlx_dspark.loop import GenerationStats, speculative_generate_step
+from mlx_dspark.modes import ChainMode
 from mlx_dspark.sampling import SamplingParams, log_probs
 from mlx_dspark.target import TargetAdapter
 from mlx_dspark.verify import Verdict
@@ -72,6 +73,7 @@ def sample_first_three(model, drafter, params, mode=None, seeds=SEEDS, policy=No
             mx.array(PROMPT),
             target,
             drafter,
+            num_draft=drafter.block_size,
             params=params,
             max_tokens=3,
             seed=seed,

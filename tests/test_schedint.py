@@ -22,12 +22,14 @@ from mlx_dspark.calibrate import (
     find_calibration,
 )
 from mlx_dspark.loading import load, load_drafter
-from mlx_dspark.loop import ChainMode, ThresholdPolicy, speculative_generate_step
+from mlx_dspark.loop import ThresholdPolicy, speculative_generate_step
 from mlx_dspark.memory import MemoryGuard, PressureLevel
+from mlx_dspark.modes import ChainMode
 from mlx_dspark.policies import SchedulerPolicy, resolve_policy, verify_batch
 from mlx_dspark.profile import get_profile, load_profile, profile_key, profile_path
 from mlx_dspark.sampling import SamplingParams, log_probs
 from mlx_dspark.scheduler import SchedulerSettings, StepRateCurve, schedule
+from mlx_dspark.settings import build_settings
 from mlx_dspark.target import TargetAdapter
 from mlx_dspark.telemetry import render_prometheus
 
@@ -62,6 +64,7 @@ def run(target, drafter, prompt, policy, max_tokens, params=SamplingParams(), se
             mx.array(prompt),
             target,
             drafter,
+            num_draft=drafter.block_size,
             params=params,
             max_tokens=max_tokens,
             policy=policy,
@@ -158,6 +161,7 @@ def first_tokens(target, drafter, prompt, make_policy, params, seeds, depth=3):
             mx.array(prompt),
             target,
             drafter,
+            num_draft=drafter.block_size,
             params=params,
             max_tokens=depth + 2,
             policy=make_policy(),
@@ -318,6 +322,11 @@ def test_memory_guard_moves_caps_inside_generation(pair_factory):
 # --- calibration CLI, profile cache, policy resolution ---------------------------
 
 
+def resolve(model, drafter, **arguments):
+    settings = build_settings(drafter.block_size, **arguments)
+    return resolve_policy(model, drafter, settings)
+
+
 def _private_pair(pair_factory, tmp_path, **fields):
     *_, target_dir, drafter_dir, spec = pair_factory(**fields)
     shutil.copytree(target_dir, tmp_path / "target")
@@ -329,11 +338,11 @@ def test_calibrate_cli_end_to_end(pair_factory, tmp_path, capsys):
     target_dir, drafter_dir = _private_pair(pair_factory, tmp_path, block_size=8)
     model, tokenizer, drafter = load(target_dir, drafter_dir)
     # No DSpark argument: the adaptive policy, on running estimates alone.
-    resolved = resolve_policy(model, drafter, None, 0.0)
+    resolved = resolve(model, drafter)
     assert resolved.mode == "adaptive" and resolved.note is None
     assert resolved.policy.temperatures is None and resolved.policy.profile is None
-    assert resolve_policy(model, drafter, None, 0.5).mode == "threshold"
-    assert resolve_policy(model, drafter, None, 0.0, num_draft=4).mode == "off"
+    assert resolve(model, drafter, confidence_threshold=0.5).mode == "threshold"
+    assert resolve(model, drafter, num_draft=4).mode == "off"
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("t1 t2 t3\nt20 t4 t11 t9\nt13 t5 t5 t21 t2 t17\n")
@@ -371,14 +380,14 @@ def test_calibrate_cli_end_to_end(pair_factory, tmp_path, capsys):
     found = find_calibration(model, drafter)
     assert found is not None and found[1] == written
     # The default uses the calibration, and the cached profile once there is one.
-    resolved = resolve_policy(model, drafter, None, 0.0)
+    resolved = resolve(model, drafter)
     assert resolved.mode == "adaptive" and resolved.policy.profile is None
     assert resolved.policy.temperatures == data["temperatures"]
     get_profile(model, drafter, contexts=(16,), repeats=1)
-    resolved = resolve_policy(model, drafter, None, 0.0)
+    resolved = resolve(model, drafter)
     assert resolved.mode == "adaptive" and resolved.policy.profile is not None
     assert resolved.policy.temperatures == data["temperatures"]
-    resolved = resolve_policy(model, drafter, "auto", 0.0)
+    resolved = resolve(model, drafter, scheduler="auto")
     assert resolved.mode == "auto" and resolved.note is None
 
     # Unwritable / unknown drafter directory: the user cache, keyed by the pair.

@@ -13,10 +13,10 @@ from test_sampling import PROMPT, chi_square, chi_square_critical, exact_joint
 from mlx_dspark import stream_generate
 from mlx_dspark.drafter import Proposal
 from mlx_dspark.errors import DSparkError
-from mlx_dspark.loop import ChainMode, prefill, speculative_generate_step
+from mlx_dspark.loop import prefill, speculative_generate_step
+from mlx_dspark.modes import ChainMode, TreeMode
 from mlx_dspark.sampling import SamplingParams
 from mlx_dspark.target import TargetAdapter
-from mlx_dspark.tree import TreeMode
 
 PROMPTS = [[1, 2, 3], [7, 8], [20, 4, 11, 9]]
 MAX_TOKENS = 48
@@ -205,6 +205,7 @@ def sample_first_three(model, drafter, params, make_mode, seeds=SEEDS):
             mx.array(PROMPT),
             target,
             drafter,
+            num_draft=drafter.block_size,
             params=params,
             max_tokens=6,
             seed=seed,
@@ -256,8 +257,6 @@ def test_tree_budget_errors(pair_factory):
     model, tokenizer, drafter, *_ = pair_factory(block_size=8)
     with pytest.raises(DSparkError):
         list(stream_generate(model, tokenizer, drafter, [1], tree_budget=-1))
-    with pytest.raises(DSparkError):
-        TreeMode(0)
 
 
 def test_cli_dspark_tree(pair_factory):

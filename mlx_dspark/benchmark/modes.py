@@ -13,17 +13,10 @@ from mlx.utils import tree_flatten
 
 from ..drafter import DSparkDrafter
 from ..errors import DSparkError
-from ..loop import (
-    ChainMode,
-    GenerationStats,
-    RoundStats,
-    ThresholdPolicy,
-    speculative_generate_step,
-)
-from ..policies import resolve_policy
-from ..sampling import SamplingParams
+from ..generation import stream_generate
+from ..loop import GenerationStats, RoundStats
+from ..settings import SpeculationSettings, build_settings
 from ..target import TargetAdapter
-from ..tree import TreeMode
 
 
 @dataclass
@@ -80,48 +73,40 @@ class Variant:
     run: Runner
     num_draft: int | None = None
     threshold: float | None = None
+    settings: SpeculationSettings | None = None  # a DSpark mode's setup
 
 
-def _consume(
-    steps: Iterable[tuple[int, bool]], tokenizer, max_tokens: int
-) -> tuple[list[int], list[bool], float, float]:
-    """Drive a token stream as ``stream_generate`` does: detokenize, stop at
-    end-of-sequence (not kept) or ``max_tokens``; time decoding after the
-    first token."""
-    eos = set(tokenizer.eos_token_ids)
-    detokenizer = tokenizer.detokenizer
-    detokenizer.reset()
+def _collect(
+    responses: Iterable[Any],
+) -> tuple[list[int], list[bool], float, float, Any]:
+    """Drain a ``stream_generate`` (mlx-lm's or ours, which stop at
+    end-of-sequence and ``max_tokens`` alike): the tokens (the stop token not
+    kept), their ``from_draft`` flags, the decoding time after the first token,
+    the total time and the last response."""
     tokens, drafted = [], []
     tic = time.perf_counter()
-    first = None
-    for token, from_draft in steps:
+    first = last = None
+    for response in responses:
         if first is None:
             first = time.perf_counter()
-        if token in eos:
-            break
-        detokenizer.add_token(token)
-        tokens.append(int(token))
-        drafted.append(bool(from_draft))
-        if len(tokens) == max_tokens:
-            break
-    detokenizer.finalize()
+        last = response
+        if response.finish_reason != "stop":
+            tokens.append(int(response.token))
+            drafted.append(bool(response.from_draft))
     end = time.perf_counter()
-    return tokens, drafted, end - (first or end), end - tic
+    return tokens, drafted, end - (first or end), end - tic, last
 
 
-def _mlx_lm_steps(pair: Pair, prompt: list[int], max_tokens: int, **kwargs):
-    from mlx_lm.generate import stream_generate
+def _mlx_lm_responses(pair: Pair, prompt: list[int], max_tokens: int, **kwargs):
+    from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 
-    for response in stream_generate(
+    return mlx_lm_stream_generate(
         pair.model, pair.tokenizer, mx.array(prompt), max_tokens=max_tokens, **kwargs
-    ):
-        yield response.token, response.from_draft
+    )
 
 
 def run_target(pair: Pair, prompt: list[int], max_tokens: int) -> Run:
-    tokens, _, decode, total = _consume(
-        _mlx_lm_steps(pair, prompt, max_tokens), pair.tokenizer, max_tokens
-    )
+    tokens, _, decode, total, _ = _collect(_mlx_lm_responses(pair, prompt, max_tokens))
     return Run(tokens, decode, total)
 
 
@@ -140,44 +125,48 @@ def _rounds_from_flags(drafted: list[bool], num_draft: int) -> GenerationStats:
 
 def mlx_lm_runner(num_draft: int) -> Runner:
     def run(pair: Pair, prompt: list[int], max_tokens: int) -> Run:
-        steps = _mlx_lm_steps(
+        responses = _mlx_lm_responses(
             pair,
             prompt,
             max_tokens,
             draft_model=pair.mlx_lm_draft,
             num_draft_tokens=num_draft,
         )
-        tokens, drafted, decode, total = _consume(steps, pair.tokenizer, max_tokens)
+        tokens, drafted, decode, total, _ = _collect(responses)
         return Run(tokens, decode, total, _rounds_from_flags(drafted, num_draft))
 
     return run
 
 
-def dspark_runner(
-    num_draft: int | None,
-    policy: Callable[[Pair], Any],
-    mode: Callable[[], Any] = ChainMode,
-) -> Runner:
-    """A runner for the one DSpark loop with a policy and a mode plugged in."""
+def dspark_runner(settings: SpeculationSettings) -> Runner:
+    """A runner for DSpark's public ``stream_generate`` with one speculation
+    setup, greedy; its responses carry the rounds' statistics and timings."""
 
     def run(pair: Pair, prompt: list[int], max_tokens: int) -> Run:
-        stats = GenerationStats()
-        steps = speculative_generate_step(
-            mx.array(prompt),
-            pair.adapter,
+        responses = stream_generate(
+            pair.model,
+            pair.tokenizer,
             pair.drafter,
-            params=SamplingParams(),
-            num_draft=num_draft,
+            prompt,
             max_tokens=max_tokens,
-            policy=policy(pair),
-            mode=mode(),
             seed=0,
-            stats=stats,
+            settings=settings,
         )
-        tokens, _, decode, total = _consume(steps, pair.tokenizer, max_tokens)
-        return Run(tokens, decode, total, stats)
+        tokens, _, decode, total, last = _collect(responses)
+        return Run(tokens, decode, total, last.stats)
 
     return run
+
+
+def dspark_variant(name: str, pair: Pair, **arguments) -> Variant:
+    """A DSpark mode: the setup ``build_settings`` makes of ``arguments``
+    for this pair's drafter, as a user passing them would get."""
+    settings = build_settings(pair.drafter.block_size, **arguments)
+    threshold = (
+        settings.confidence_threshold if settings.policy == "threshold" else None
+    )
+    run = dspark_runner(settings)
+    return Variant(name, "dspark", run, settings.num_draft, threshold, settings)
 
 
 def _target_modes(pair: Pair, settings: Settings) -> list[Variant]:
@@ -193,58 +182,53 @@ def _mlx_lm_modes(pair: Pair, settings: Settings) -> list[Variant]:
 
 def _fixed_modes(pair: Pair, settings: Settings) -> list[Variant]:
     return [
-        Variant(
+        dspark_variant(
             f"dspark-fixed-{n}",
-            "dspark",
-            dspark_runner(n, lambda pair: ThresholdPolicy(0.0)),
+            pair,
             num_draft=n,
+            confidence_threshold=0.0,
+            scheduler="off",
+            names={"num_draft": "--fixed-n"},
         )
         for n in settings.fixed_n
     ]
 
 
 def _threshold_modes(pair: Pair, settings: Settings) -> list[Variant]:
-    block = pair.drafter.block_size
     return [
-        Variant(
+        dspark_variant(
             f"dspark-threshold-{t:g}",
-            "dspark",
-            dspark_runner(block, lambda pair, t=t: ThresholdPolicy(t)),
-            num_draft=block,
-            threshold=t,
+            pair,
+            confidence_threshold=t,
+            scheduler="threshold",
+            names={"confidence_threshold": "--thresholds"},
         )
         for t in settings.thresholds
     ]
 
 
 def _scheduler_modes(pair: Pair, settings: Settings) -> list[Variant]:
-    def policy(pair: Pair):
-        return resolve_policy(pair.model, pair.drafter, "auto").policy
-
-    block = pair.drafter.block_size
-    return [Variant("dspark-scheduler", "dspark", dspark_runner(block, policy), block)]
+    return [
+        dspark_variant(
+            "dspark-scheduler", pair, confidence_threshold=0.0, scheduler="auto"
+        )
+    ]
 
 
 def _default_modes(pair: Pair, settings: Settings) -> list[Variant]:
     """What runs when the user passes no DSpark flags (the adaptive policy)."""
-
-    def policy(pair: Pair):
-        return resolve_policy(pair.model, pair.drafter, None).policy
-
-    block = pair.drafter.block_size
-    return [Variant("dspark-default", "dspark", dspark_runner(None, policy), block)]
+    return [dspark_variant("dspark-default", pair)]
 
 
 def _tree_modes(pair: Pair, settings: Settings) -> list[Variant]:
-    block = pair.drafter.block_size
     return [
-        Variant(
+        dspark_variant(
             f"dspark-tree-{budget}",
-            "dspark",
-            dspark_runner(
-                block, lambda pair: ThresholdPolicy(0.0), lambda b=budget: TreeMode(b)
-            ),
-            num_draft=block,
+            pair,
+            confidence_threshold=0.0,
+            scheduler="off",
+            tree_budget=budget,
+            names={"tree_budget": "--tree-budgets"},
         )
         for budget in settings.tree_budgets
     ]

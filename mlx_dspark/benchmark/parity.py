@@ -12,11 +12,8 @@ import numpy as np
 
 from ..drafter import Proposal
 from ..errors import DSparkError
-from ..loop import (
-    ChainMode,
-    ThresholdPolicy,
-    speculative_generate_step,
-)
+from ..loop import ThresholdPolicy, speculative_generate_step
+from ..modes import ChainMode
 from ..target import TargetAdapter
 from .modes import Pair
 

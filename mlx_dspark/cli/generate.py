@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import DSparkError
-from ..policies import SCHEDULERS
+from ..settings import SCHEDULERS
 from .terminal import ArgumentParser, progress_bar, run_cli
 
 # mlx-lm's --max-tokens -1 means "no limit".
@@ -208,19 +208,6 @@ def _check_values(args: argparse.Namespace) -> None:
         (args.kv_group_size >= 1, "--kv-group-size must be >= 1"),
         (args.quantized_kv_start >= 0, "--quantized-kv-start must be >= 0"),
         (args.num_draft_tokens >= 0, "--num-draft-tokens must be >= 0"),
-        (
-            0 <= args.dspark_confidence_threshold <= 1,
-            "--dspark-confidence-threshold must be in [0, 1]",
-        ),
-        (args.dspark_tree >= 0, "--dspark-tree must be >= 0"),
-        (
-            args.dspark_scheduler is None or args.dspark_scheduler in SCHEDULERS,
-            f"--dspark-scheduler must be one of {', '.join(SCHEDULERS)}",
-        ),
-        (
-            args.dspark_profile in ("auto", "refresh"),
-            "--dspark-profile must be auto or refresh",
-        ),
     ]
     for ok, message in checks:
         if not ok:
@@ -241,6 +228,34 @@ DSPARK_FLAGS = {
     "dspark_profile": "--dspark-profile",
     "dspark_tree": "--dspark-tree",
 }
+
+
+def _speculation(args: argparse.Namespace, explicit: set[str], block_size: int):
+    """The speculation setup of the DSpark flags (see
+    :func:`~mlx_dspark.settings.build_settings`); a flag not given leaves its
+    ``DSPARK_*`` variable, if any, in charge."""
+    from ..settings import build_settings
+
+    alias = "dspark_n_draft" not in explicit and "num_draft_tokens" in explicit
+    names = {
+        "num_draft": "--num-draft-tokens" if alias else "--dspark-n-draft",
+        "confidence_threshold": "--dspark-confidence-threshold",
+        "scheduler": "--dspark-scheduler",
+        "profile": "--dspark-profile",
+        "tree_budget": "--dspark-tree",
+    }
+    threshold = None
+    if "dspark_confidence_threshold" in explicit:
+        threshold = args.dspark_confidence_threshold
+    return build_settings(
+        block_size,
+        num_draft=_num_draft(args, explicit),
+        confidence_threshold=threshold,
+        scheduler=args.dspark_scheduler,
+        profile=args.dspark_profile,
+        tree_budget=args.dspark_tree,
+        names=names,
+    )
 
 
 def _num_draft(args: argparse.Namespace, explicit: set[str]) -> int | None:
@@ -384,28 +399,15 @@ def _run_dspark(args: argparse.Namespace, explicit: set[str]) -> None:
     text, raw = _build_prompt(tokenizer, args)
     tokens = tokenizer.encode(text, add_special_tokens=raw)
     _refuse_after_prompt(args, len(tokens))
-    num_draft = _num_draft(args, explicit)
-    block = drafter.block_size
-    if num_draft is not None and not 0 <= num_draft <= block:
-        flag = (
-            "--dspark-n-draft" if "dspark_n_draft" in explicit else "--num-draft-tokens"
-        )
-        raise DSparkError(
-            f"{flag} must be between 0 and the drafter's block size {block}, "
-            f"got {num_draft}."
-        )
+    settings = _speculation(args, explicit, drafter.block_size)
     if default_pair:
         print(
             "No --model given: using the built-in default pair, SmolLM2-135M-Instruct "
             "with the shipped DSpark drafter.",
             file=sys.stderr,
         )
-    if num_draft == 0:
-        print(
-            "--dspark-n-draft 0: every round decodes with the target alone "
-            "(no drafts).",
-            file=sys.stderr,
-        )
+    for note in settings.notes:
+        print(note, file=sys.stderr)
     with progress_bar("Profiling target and drafter") as profile_progress:
         responses = stream_generate(
             model,
@@ -419,11 +421,7 @@ def _run_dspark(args: argparse.Namespace, explicit: set[str]) -> None:
             min_p=args.min_p,
             min_tokens_to_keep=args.min_tokens_to_keep,
             seed=args.seed,
-            num_draft=num_draft,
-            confidence_threshold=args.dspark_confidence_threshold,
-            scheduler=args.dspark_scheduler,
-            profile=args.dspark_profile,
-            tree_budget=args.dspark_tree,
+            settings=settings,
             prefill_step_size=args.prefill_step_size,
             xtc_probability=args.xtc_probability,
             xtc_threshold=args.xtc_threshold,

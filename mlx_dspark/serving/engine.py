@@ -6,7 +6,7 @@ call over the whole batch, with each request's calibrated survival and the
 measured cost of batched target steps) decides how many drafts of each request
 to verify, and one :meth:`TargetAdapter.forward_batch` verifies them all. Each
 request keeps its own caches, sampling parameters and random streams, and
-accepts with the package's own rule (:func:`~mlx_dspark.loop.settle_chain`),
+accepts with the package's own rule (:func:`~mlx_dspark.modes.settle_chain`),
 so its tokens are what it would get alone: greedy identical, sampled exact.
 
 All MLX work happens on the engine's one thread; callers talk to it through
@@ -28,8 +28,9 @@ import mlx.nn as nn
 import numpy as np
 
 from ..drafter import DSparkDrafter, Proposal
-from ..loop import RoundStats, first_token, settle_chain
+from ..loop import RoundStats, first_token
 from ..memory import MemoryGuard
+from ..modes import settle_chain
 from ..policies import SchedulerPolicy, telemetry_for
 from ..sampling import SamplingParams
 from ..scheduler import SchedulerSettings, StepRateCurve

@@ -1,6 +1,10 @@
-"""Tree drafting and tree verification: a mode of the one generation loop.
+"""How a round drafts and verifies: the modes of the one generation loop.
 
-**Construction.** The drafter's backbone runs once per round; its hidden
+A mode owns the round's target forward and what it commits to the caches:
+:class:`ChainMode` verifies a chain of drafts, :class:`TreeMode` a tree.
+Acceptance itself is the pure rules of :mod:`mlx_dspark.verify`.
+
+**Trees.** The drafter's backbone runs once per round; its hidden
 states and base logits at block position ``k`` are shared by every node at
 depth ``k + 1``. Each node carries its own sequential-head state (the previous
 token for the Markov heads, the recurrent state for ``rnn``): expanding a node
@@ -57,16 +61,104 @@ premise ``x_i ~ q_i``; the test suite checks that this variant is caught.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import mlx.core as mx
 import numpy as np
 
 from .drafter import DSparkDrafter, Proposal
-from .errors import DSparkError
-from .loop import ChainMode
 from .sampling import SamplingParams, log_probs
 from .target import TargetAdapter
-from .verify import Verdict, draw, rejection_step, without
+from .verify import Verdict, draw, rejection_step, verdict, without
+
+
+class RoundMode(Protocol):
+    """How a round drafts and verifies: a chain (:class:`ChainMode`) or a tree."""
+
+    def propose(
+        self,
+        drafter: DSparkDrafter,
+        hidden: mx.array,
+        anchor: mx.array,
+        cap: int,
+        params: SamplingParams,
+        key: mx.array,
+    ) -> Proposal: ...
+
+    def verify(
+        self,
+        target: TargetAdapter,
+        cache: list,
+        anchor: int,
+        proposal: Proposal,
+        n: int,
+        params: SamplingParams,
+        rng: np.random.Generator,
+    ) -> tuple[Verdict, list[int], mx.array]:
+        """The verdict, the accepted drafts in order and the features to commit."""
+
+
+class ChainMode:
+    """Verify the first ``n`` drafts of one chain in a single target forward."""
+
+    def propose(
+        self,
+        drafter: DSparkDrafter,
+        hidden: mx.array,
+        anchor: mx.array,
+        cap: int,
+        params: SamplingParams,
+        key: mx.array,
+    ) -> Proposal:
+        proposal = drafter.propose(
+            hidden, anchor, cap, params, None if params.greedy else key
+        )
+        # Greedy acceptance never reads the draft logits: leave them lazy.
+        logits = () if params.greedy else (proposal.logits,)
+        mx.eval(proposal.tokens, proposal.confidence, *logits)
+        return proposal
+
+    def verify(
+        self,
+        target: TargetAdapter,
+        cache: list,
+        anchor: int,
+        proposal: Proposal,
+        n: int,
+        params: SamplingParams,
+        rng: np.random.Generator,
+    ) -> tuple[Verdict, list[int], mx.array]:
+        """Returns the verdict, the drafts verified and the features to commit."""
+        drafts = np.array(proposal.tokens[0, :n]).tolist()
+        logits, features = target(mx.array([[anchor, *drafts]]), cache)
+        mx.eval(logits, features)
+        return settle_chain(
+            target, cache, drafts, proposal, logits, features, params, rng
+        )
+
+
+def settle_chain(
+    target: TargetAdapter,
+    cache: list,
+    drafts: list[int],
+    proposal: Proposal,
+    logits: mx.array,
+    features: mx.array | None,
+    params: SamplingParams,
+    rng: np.random.Generator,
+) -> tuple[Verdict, list[int], mx.array | None]:
+    """Accept from a verified chain, roll the cache back, keep the committed features."""
+    n = len(drafts)
+    result = verdict(
+        np.array(drafts, dtype=np.int64),
+        proposal.logits[0, :n],
+        logits[0],
+        params,
+        rng,
+    )
+    target.rollback(cache, n - result.accepted)
+    committed = None if features is None else features[:, : result.accepted + 1]
+    return result, drafts, committed
 
 
 @dataclass
@@ -100,8 +192,6 @@ class TreeMode:
     """Draft a token tree of at most ``budget`` nodes and verify it at once."""
 
     def __init__(self, budget: int, *, force_reference_attention: bool = False):
-        if budget < 1:
-            raise DSparkError(f"The tree budget must be at least 1, got {budget}.")
         self.budget = int(budget)
         self.force_reference_attention = force_reference_attention
         self.rounds: list[TreeRound] = []
