@@ -8,6 +8,7 @@ import zlib
 from pathlib import Path
 
 from ..errors import DSparkError
+from ..utils import encode_chat_prompt
 
 PROMPT_SETS: dict[str, list[str]] = {
     "chat": [
@@ -69,20 +70,14 @@ def load_prompts(spec: str) -> tuple[str, list[str]]:
 
 
 def encode_prompt(tokenizer, text: str, vocab_size: int, chat: bool) -> list[int]:
-    """Token ids of a prompt.
+    """Token ids of a prompt (:func:`~mlx_dspark.utils.encode_chat_prompt`).
 
     Built-in structured pairs have a toy word-level tokenizer that maps all
     text to its unknown token; there, each word is hashed to a token id so
     prompts stay distinct and deterministic.
     """
+    ids = encode_chat_prompt(tokenizer, text, chat)
     unk = getattr(tokenizer, "unk_token_id", None)
-    if chat and getattr(tokenizer, "has_chat_template", False):
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True
-        )
-    else:
-        ids = tokenizer.encode(text)
-    ids = list(ids)
     if not ids or (unk is not None and ids.count(unk) * 2 > len(ids)):
         chain = max(vocab_size - 2, 1)
         ids = [zlib.crc32(word.encode()) % chain for word in text.split()]

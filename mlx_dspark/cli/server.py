@@ -88,6 +88,7 @@ def _cli(
     from ..loading import load
     from ..profile import get_profile, load_profile
     from ..serving import BatchEngine, EngineConfig, ServerSettings, make_server
+    from ..settings import build_settings
 
     level = getattr(logging, log_level.upper(), None)
     if not isinstance(level, int):
@@ -130,12 +131,9 @@ def _cli(
             "SmolLM2-135M-Instruct with the shipped DSpark drafter.",
             file=sys.stderr,
         )
-    block = drafter.block_size
-    if dspark_n_draft is not None and not 0 <= dspark_n_draft <= block:
-        raise DSparkError(
-            f"--dspark-n-draft must be between 0 and the drafter's block size "
-            f"{block}, got {dspark_n_draft}."
-        )
+    build_settings(
+        drafter.block_size, dspark_n_draft, names={"num_draft": "--dspark-n-draft"}
+    )  # refuses a draft count the drafter cannot make, naming the flag
     if context_length is None:
         args = getattr(loaded, "args", None)
         context_length = int(getattr(args, "max_position_embeddings", 0) or 4096)

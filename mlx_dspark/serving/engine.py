@@ -34,6 +34,7 @@ from ..modes import settle_chain
 from ..policies import SchedulerPolicy, telemetry_for
 from ..sampling import SamplingParams
 from ..scheduler import SchedulerSettings, StepRateCurve
+from ..settings import build_settings
 from ..target import TargetAdapter
 from ..telemetry import Telemetry
 
@@ -311,12 +312,14 @@ class BatchEngine:
         # Gemma-4 drafters run their own RoPE; they draft one request at a time.
         self.batch_drafts = not drafter.config.is_gemma4
         self.eos = set(int(t) for t in getattr(tokenizer, "eos_token_ids", ()))
-        settings = SchedulerSettings.from_env(base=self.config.settings)
-        block = drafter.block_size
-        n_max = settings.n_max(block)
-        if self.config.num_draft is not None:
-            n_max = min(n_max, self.config.num_draft)
-        self.n_max = max(0, n_max)
+        speculation = build_settings(
+            drafter.block_size,
+            self.config.num_draft,
+            scheduler="auto",
+            base=self.config.settings,
+        )
+        settings = speculation.scheduler
+        self.n_max = settings.n_max(speculation.num_draft)
         found = find_calibration(model, drafter)
         guard = None
         if self.n_max > 0:
