@@ -103,11 +103,12 @@ def stream_generate(
     decoding included, with the best predicted tokens/s) or None: adaptive
     when no other DSpark argument is given, an explicit ``num_draft`` means
     always that many. ``confidence_threshold=None`` means
-    ``DSPARK_CONFIDENCE_THRESHOLD`` or off. ``settings`` is a setup already
-    built by :func:`~mlx_dspark.settings.build_settings` from these same
-    arguments (then leave them out). ``profile="refresh"`` re-measures the cost profile;
-    ``profile_progress(done, total)`` follows a measurement. Responses carry
-    ``stats``, ``telemetry`` and ``settings`` (with the notes for the user).
+    ``DSPARK_CONFIDENCE_THRESHOLD`` or off; a given threshold wins over it.
+    ``profile="refresh"`` re-measures the cost profile;
+    ``profile_progress(done, total)`` follows a measurement. ``settings``: a
+    setup :func:`~mlx_dspark.settings.build_settings` already decided from
+    these arguments (then leave them out). Responses carry ``stats``,
+    ``telemetry`` and ``settings`` (with its ``notes`` for the user).
 
     ``tree_budget`` > 0 drafts a tree of that many nodes per round instead of
     a chain (``num_draft`` then bounds its depth); 0 drafts a chain.

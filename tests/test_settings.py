@@ -181,3 +181,20 @@ def test_prebuilt_settings_give_the_same_tokens(pair_factory):
     assert [r.accepted for r in stats_a.rounds] == [r.accepted for r in stats_s.rounds]
     with pytest.raises(DSparkError, match="settings or num_draft, not both"):
         tokens(settings=settings, num_draft=2)
+
+
+def test_the_generate_flag_beats_the_environment(monkeypatch):
+    from mlx_dspark.cli.generate import _speculation, parse_args
+
+    monkeypatch.setenv(THRESHOLD_VAR, "0.9")
+    args, explicit = parse_args(["--dspark-confidence-threshold", "0"])
+    flag = _speculation(args, explicit, 7)
+    assert flag.policy == "adaptive" and flag.confidence_threshold == 0.0
+    assert flag.notes == (
+        f"{THRESHOLD_VAR} is ignored: --dspark-confidence-threshold was given.",
+    )
+    args, explicit = parse_args([])
+    assert _speculation(args, explicit, 7).confidence_threshold == 0.9
+    args, explicit = parse_args(["--num-draft-tokens", "9"])
+    with pytest.raises(DSparkError, match="^--num-draft-tokens must be between 0"):
+        _speculation(args, explicit, 7)
