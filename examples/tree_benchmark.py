@@ -64,6 +64,7 @@ def speculative(target, drafter, prompt, max_tokens, budget):
             mx.array(prompt),
             target,
             drafter,
+            num_draft=drafter.block_size,
             max_tokens=max_tokens,
             mode=mode,
             stats=stats,
