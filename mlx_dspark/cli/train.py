@@ -200,6 +200,14 @@ def build_parser(prog: str = "mlx_dspark.train") -> argparse.ArgumentParser:
     )
     add("--force", action="store_true", help="Replace an existing output.")
     add("--log-every", type=int, default=d.log_every, help="Steps between log lines.")
+    add(
+        "--val-sequences",
+        type=int,
+        default=d.val_sequences,
+        help="Sequences held out of training; their loss and expected accepted "
+        "length (tau) are measured every --val-every steps into the record.",
+    )
+    add("--val-every", type=int, default=d.val_every, help="Steps between validations.")
     add("--quiet", action="store_true", help="No progress or messages.")
     return p
 
