@@ -500,24 +500,10 @@ class TargetAdapter:
             raise ValueError("one non-empty token list per cache is required")
         width = max(lengths)
         offsets = [c[0].offset for c in caches]
-        batch_cache = []
-        for layer in range(len(caches[0])):
-            past = [_past(cache[layer]) for cache in caches]
-            longest = max(k.shape[2] for k, _ in past)
-            keys, values = [], []
-            for k, v in past:
-                pad = [(0, 0), (0, 0), (longest - k.shape[2], 0), (0, 0)]
-                keys.append(mx.pad(k, pad))
-                values.append(mx.pad(v, pad))
-            stacked = BatchKVCache([longest - k.shape[2] for k, _ in past])
-            if longest:
-                stacked.update_and_fetch(
-                    mx.concatenate(keys, axis=0), mx.concatenate(values, axis=0)
-                )
-            # A sliding-window layer passes on only its window: RoPE must
-            # still see each request's absolute position.
-            stacked.offset = mx.array(offsets)
-            batch_cache.append(stacked)
+        batch_cache = [
+            _batch_cache([_past(cache[layer]) for cache in caches], offsets, width)
+            for layer in range(len(caches[0]))
+        ]
         padded = mx.array([list(t) + [0] * (width - len(t)) for t in tokens])
         logits, features = self(padded, batch_cache)
         out = []
@@ -531,6 +517,34 @@ class TargetAdapter:
             feats = None if features is None else features[r : r + 1, :n]
             out.append((logits[r : r + 1, :n], feats))
         return out
+
+
+def _batch_cache(
+    past: Sequence[tuple[mx.array, mx.array]], offsets: Sequence[int], width: int
+) -> BatchKVCache:
+    """The requests' cached keys/values, left-padded into one buffer with room
+    for ``width`` new tokens.
+
+    Written straight into a buffer of the exact final length: one copy of each
+    request's cache, and attention reads the whole (contiguous) buffer.
+    Padding and concatenating, then ``update_and_fetch`` into an empty
+    ``BatchKVCache`` (which allocates in steps of 256 tokens), copied it three
+    times and made attention read a slice.
+    """
+    longest = max(k.shape[2] for k, _ in past)
+    k0, v0 = past[0]
+    keys = mx.zeros((len(past), k0.shape[1], longest + width, k0.shape[3]), k0.dtype)
+    values = mx.zeros((len(past), v0.shape[1], longest + width, v0.shape[3]), v0.dtype)
+    for r, (k, v) in enumerate(past):
+        if k.shape[2]:
+            keys[r : r + 1, :, longest - k.shape[2] : longest] = k
+            values[r : r + 1, :, longest - v.shape[2] : longest] = v
+    cache = BatchKVCache([longest - k.shape[2] for k, _ in past])
+    cache.keys, cache.values, cache._idx = keys, values, longest
+    # A sliding-window layer passes on only its window: RoPE must still see
+    # each request's absolute position.
+    cache.offset = mx.array(offsets)
+    return cache
 
 
 def _past(cache) -> tuple[mx.array, mx.array]:

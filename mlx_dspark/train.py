@@ -23,6 +23,7 @@ import math
 import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -51,6 +52,7 @@ from .training.trainer import (
     METRICS,
     LoopState,
     make_step,
+    make_validation,
     optimise,
     schedule,
 )
@@ -110,6 +112,8 @@ class TrainArgs:
     quantize_group_size: int = 64
     force: bool = False
     log_every: int = 10
+    val_sequences: int = 0
+    val_every: int = 50
     quiet: bool = False
 
 
@@ -162,7 +166,8 @@ def train(
         anchors=args.anchors, confidence=args.confidence, mask_token_id=mask_token_id,
         draft_vocab_size=None if vocab is None else len(vocab.ids),
     )  # fmt: skip
-    per_epoch = math.ceil(len(sequences) / args.batch_size)
+    train_ids, val_ids = _split(len(sequences), args.val_sequences, args.seed)
+    per_epoch = math.ceil(len(train_ids) / args.batch_size)
     total = args.steps or max(1, math.ceil((args.epochs or 1.0) * per_epoch))
     draft_ids = None if vocab is None else vocab.ids
     drafter = new_drafter(config, target, args.seed, draft_ids, args.init_from_target)
@@ -175,6 +180,7 @@ def train(
         "seed": args.seed, "batch_size": args.batch_size, "seq_len": args.seq_len,
         "gamma": args.gamma, "lr": args.lr, "total_steps": total,
         "init_from_target": args.init_from_target,
+        "val_sequences": args.val_sequences,
     }  # fmt: skip
     state = (
         _resume(args, ckpt, drafter, optimizer, identity)
@@ -189,11 +195,18 @@ def train(
     def save(state: LoopState) -> None:
         save_checkpoint(ckpt, drafter, optimizer, _snapshot(identity, state))
 
-    next_batch = _batches(args, sequences, per_epoch, mask_token_id, vocab)
+    make = partial(_make_batch, args, sequences, mask_token_id, vocab)
+    next_batch = _batches(args, train_ids, per_epoch, make)
+    validate = (
+        make_validation(drafter, teacher, _validation_batches(args, val_ids, make))
+        if val_ids
+        else None
+    )
     status, final = optimise(
         make_step(drafter, optimizer, args.grad_clip), next_batch, teacher, state,
         total, log_every=args.log_every, checkpoint_every=args.checkpoint_every,
         save=save, should_stop=should_stop, progress=stage("training"),
+        validate=validate, validate_every=args.val_every,
     )  # fmt: skip
     save(state)
     if status == "interrupted":
@@ -245,6 +258,7 @@ def _check_args(args: TrainArgs) -> None:
         {
             "--checkpoint-every": args.checkpoint_every,
             "--log-every": args.log_every,
+            "--val-every": args.val_every,
             "--regen-max-tokens": args.regen_max_tokens,
             "--regen-prompt-tokens": args.regen_prompt_tokens,
             "--regen-batch-size": args.regen_batch_size,
@@ -262,6 +276,8 @@ def _check_args(args: TrainArgs) -> None:
     for flag, value in at_least_zero.items():
         if not value >= 0:
             raise DSparkError(f"{flag} must be >= 0, got {value}.")
+    if args.val_sequences < 0:
+        raise DSparkError(f"--val-sequences must be >= 0, got {args.val_sequences}.")
     if not 0 <= args.warmup < 1:
         raise DSparkError(f"--warmup must be a fraction in [0, 1), got {args.warmup}.")
     if args.quantize_group_size not in (32, 64, 128):
@@ -376,32 +392,63 @@ def _teacher(args, target, target_path, sequences, data_hashes, draft_ids, progr
 SHAPE_STEP = 64  # batches are padded to a multiple: few shapes to compile
 
 
+def _split(count: int, val_sequences: int, seed: int) -> tuple[list[int], list[int]]:
+    """Training and validation sequence indices: ``val_sequences`` chosen by
+    the seed, held out of every training batch."""
+    if val_sequences >= count:
+        raise DSparkError(
+            f"--val-sequences {val_sequences} leaves no training data "
+            f"({count} sequences)."
+        )
+    held = set(
+        np.random.default_rng([seed, 2]).permutation(count)[:val_sequences].tolist()
+    )
+    return [i for i in range(count) if i not in held], sorted(held)
+
+
+def _make_batch(args, sequences, mask_token_id, vocab, indices, rng) -> Batch:
+    longest = max(len(sequences[i]) for i in indices)
+    return make_batch(
+        [sequences[i] for i in indices], args.anchors, args.block_size,
+        mask_token_id, args.gamma, rng,
+        None if vocab is None else vocab.target_to_draft,
+        length=-(-longest // SHAPE_STEP) * SHAPE_STEP,
+    )  # fmt: skip
+
+
 def _batches(
     args: TrainArgs,
-    sequences: list,
+    train_ids: list[int],
     per_epoch: int,
-    mask_token_id: int,
-    vocab: DraftVocabulary | None,
+    make: Callable[[list[int], np.random.Generator], Batch],
 ) -> Callable[[int], tuple[list[int], Batch]]:
     """Step -> (sequence indices, batch): epochs in a seeded order, anchors
     seeded by the step, so that a resumed run sees the same batches."""
 
     def next_batch(step: int) -> tuple[list[int], Batch]:
         epoch, position = divmod(step, per_epoch)
-        order = np.random.default_rng([args.seed, epoch]).permutation(len(sequences))
+        order = np.random.default_rng([args.seed, epoch]).permutation(train_ids)
         chunk = order[position * args.batch_size : (position + 1) * args.batch_size]
         indices = [int(i) for i in chunk]
-        rng = np.random.default_rng([args.seed, 1, step])
-        longest = max(len(sequences[i]) for i in indices)
-        batch = make_batch(
-            [sequences[i] for i in indices], args.anchors, args.block_size,
-            mask_token_id, args.gamma, rng,
-            None if vocab is None else vocab.target_to_draft,
-            length=-(-longest // SHAPE_STEP) * SHAPE_STEP,
-        )  # fmt: skip
-        return indices, batch
+        return indices, make(indices, np.random.default_rng([args.seed, 1, step]))
 
     return next_batch
+
+
+def _validation_batches(
+    args: TrainArgs,
+    val_ids: list[int],
+    make: Callable[[list[int], np.random.Generator], Batch],
+) -> list[tuple[list[int], Batch]]:
+    """The validation sequences in batches, their anchors fixed once."""
+    chunks = [
+        val_ids[i : i + args.batch_size]
+        for i in range(0, len(val_ids), args.batch_size)
+    ]
+    return [
+        (chunk, make(chunk, np.random.default_rng([args.seed, 3, n])))
+        for n, chunk in enumerate(chunks)
+    ]
 
 
 def _record(
@@ -419,6 +466,8 @@ def _record(
         "train_time_s": state.train_time_s, "block_positions": state.block_positions,
         "block_positions_per_s": state.positions_per_s, "final_metrics": final,
         "history_columns": ["step", *METRICS], "history": state.history,
+        "validation_columns": ["step", "train_time_s", *METRICS],
+        "validation": state.validation,
         "versions": {"mlx": mx.__version__, "mlx_lm": _mlx_lm_version()},
     }  # fmt: skip
 
@@ -438,6 +487,7 @@ def _resume(args, ckpt: Path, drafter, optimizer, identity: dict) -> LoopState:
         state.get("history", []),
         state.get("block_positions", 0),
         state.get("train_time_s", 0.0),
+        state.get("validation", []),
     )
 
 
@@ -448,6 +498,7 @@ def _snapshot(identity: dict, state: LoopState) -> dict:
         "history": state.history,
         "block_positions": state.block_positions,
         "train_time_s": state.train_time_s,
+        "validation": state.validation,
         "rng": {"numpy": "seeded by (seed, epoch) for order, (seed, step) for anchors"},
     }
 

@@ -263,3 +263,21 @@ def test_library_reports_progress_through_callbacks(
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
     out, err = capsys.readouterr()
     assert out == "" and err == ""  # the library draws nothing
+
+
+def test_train_progress_in_a_log_reports_every_stage(capsys):
+    from mlx_dspark.cli.train import stage_progress
+
+    with stage_progress(log_every=2, quiet=False) as progress:
+        for done in range(8, 81, 8):
+            progress("teacher store", min(done, 75), 75, "")
+        for step in range(1, 4):
+            progress("training", step, 3, "tau 1.0")
+    lines = capsys.readouterr().out.splitlines()
+    store = [line for line in lines if line.startswith("teacher store")]
+    assert store[0] == "teacher store: 8/75" and store[-1] == "teacher store: 75/75"
+    assert len(store) == 10
+    assert [line for line in lines if line.startswith("step")] == [
+        "step 2/3  tau 1.0",
+        "step 3/3  tau 1.0",
+    ]

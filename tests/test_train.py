@@ -601,3 +601,32 @@ def test_progress_in_a_log_is_a_plain_line_every_log_every_steps(setup, tmp_path
     lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert [line.split()[1] for line in lines] == ["2/6", "4/6", "6/6"]
     assert all("loss" in line and "pos/s" in line for line in lines)
+
+
+def test_validation_sequences_are_held_out_and_measured(setup, monkeypatch):
+    import mlx_dspark.train as train_module
+
+    seen = []
+    make = train_module._make_batch
+
+    def spy(args, sequences, mask_token_id, vocab, indices, rng):
+        seen.append(list(indices))
+        return make(args, sequences, mask_token_id, vocab, indices, rng)
+
+    monkeypatch.setattr(train_module, "_make_batch", spy)
+    args = base_args(setup, "validated", steps=12, val_sequences=5, val_every=4)
+    result = train(args)
+    train_ids, val_ids = train_module._split(24, 5, args.seed)
+    assert len(val_ids) == 5 and not set(val_ids) & set(train_ids)
+    validation_batches, training_batches = seen[:2], seen[2:]
+    assert sorted(sum(validation_batches, [])) == val_ids
+    assert len(training_batches) == 12
+    assert not set(sum(training_batches, [])) & set(val_ids)
+    record = json.loads((result.out / "training_record.json").read_text())
+    rows = record["validation"]
+    assert [row[0] for row in rows] == [4, 8, 12]
+    assert record["validation_columns"][:2] == ["step", "train_time_s"]
+    assert rows[0][1] < rows[1][1] < rows[2][1]
+    assert rows[-1][2] < rows[0][2]  # held-out loss falls
+    with pytest.raises(DSparkError, match="leaves no training data"):
+        train(base_args(setup, "none_left", val_sequences=24))

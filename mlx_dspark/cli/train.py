@@ -200,6 +200,14 @@ def build_parser(prog: str = "mlx_dspark.train") -> argparse.ArgumentParser:
     )
     add("--force", action="store_true", help="Replace an existing output.")
     add("--log-every", type=int, default=d.log_every, help="Steps between log lines.")
+    add(
+        "--val-sequences",
+        type=int,
+        default=d.val_sequences,
+        help="Sequences held out of training; their loss and expected accepted "
+        "length (tau) are measured every --val-every steps into the record.",
+    )
+    add("--val-every", type=int, default=d.val_every, help="Steps between validations.")
     add("--quiet", action="store_true", help="No progress or messages.")
     return p
 
@@ -207,15 +215,23 @@ def build_parser(prog: str = "mlx_dspark.train") -> argparse.ArgumentParser:
 @contextmanager
 def stage_progress(log_every: int, quiet: bool) -> Iterator[Progress | None]:
     """A rich bar per stage on a terminal; in a log, a plain line every
-    ``log_every`` training steps (a bar there is cut and never updates)."""
+    ``log_every`` training steps and every tenth of the other stages (a bar
+    there is cut and never updates)."""
     if quiet:
         yield None
         return
     if not sys.stdout.isatty():
+        tenths: dict[str, int] = {}
 
         def line(stage: str, done: int, total: int, metrics: str) -> None:
-            if stage == "training" and (done % log_every == 0 or done == total):
-                print(f"step {done}/{total}  {metrics}", flush=True)
+            if stage == "training":
+                if done % log_every == 0 or done == total:
+                    print(f"step {done}/{total}  {metrics}", flush=True)
+                return
+            tenth = 10 * done // max(total, 1)
+            if tenth > tenths.get(stage, 0):
+                tenths[stage] = tenth
+                print(f"{stage}: {done}/{total}", flush=True)
 
         yield line
         return

@@ -29,6 +29,7 @@ class LoopState:
     history: list = field(default_factory=list)
     block_positions: int = 0  # supervised block positions trained on
     train_time_s: float = 0.0  # spent in steps (data, teacher, forward, update)
+    validation: list = field(default_factory=list)  # [step, train_time_s, *METRICS]
 
     @property
     def positions_per_s(self) -> float:
@@ -86,6 +87,23 @@ def make_step(
     return step
 
 
+def make_validation(
+    drafter: DSparkDrafter, teacher: Teacher, batches: list[tuple[list[int], Batch]]
+) -> Callable[[], list[float]]:
+    """The mean metrics over held-out batches (anchors fixed once), without
+    updating anything."""
+
+    def validate() -> list[float]:
+        rows = []
+        for indices, batch in batches:
+            loss, terms = loss_terms(drafter, *teacher(indices, batch), batch)
+            mx.eval(loss, terms)
+            rows.append([loss.item(), *(t.item() for t in terms)])
+        return np.mean(rows, axis=0).tolist()
+
+    return validate
+
+
 def optimise(
     step: Callable[[mx.array, mx.array, mx.array, Batch], list[float]],
     next_batch: Callable[[int], tuple[list[int], Batch]],
@@ -98,10 +116,14 @@ def optimise(
     save: Callable[[LoopState], None],
     should_stop: Callable[[int], bool] | None = None,
     progress: Callable[[int, int, str], None] | None = None,
+    validate: Callable[[], list[float]] | None = None,
+    validate_every: int = 50,
 ) -> tuple[str, dict]:
     """Run steps ``state.step .. total``; returns the status ("done" or
     "interrupted") and the mean metrics over the last tenth of the steps.
-    ``progress(step, total, metrics)`` follows every step."""
+    ``progress(step, total, metrics)`` follows every step; ``validate()``
+    runs every ``validate_every`` steps and at the end, outside the timed
+    steps, into ``state.validation``."""
     running = None
     recent: list[list[float]] = []
     status = "done"
@@ -121,10 +143,18 @@ def optimise(
             )
             if state.step % log_every == 0 or state.step == total:
                 state.history.append([state.step, *values])
+            if validate is not None and (
+                state.step % validate_every == 0 or state.step == total
+            ):
+                state.validation.append(
+                    [state.step, round(state.train_time_s, 1), *validate()]
+                )
             shown = "  ".join(
                 f"{n} {v:.3f}" for n, v in zip(METRICS, running, strict=True)
             )
             shown += f"  {state.positions_per_s:.0f} pos/s"
+            if state.validation:
+                shown += f"  val tau {state.validation[-1][-1]:.3f}"
             if progress is not None:
                 progress(state.step, total, shown)
             if checkpoint_every and state.step % checkpoint_every == 0:
