@@ -69,7 +69,6 @@ class SpeculationSettings:
 
 def _choose_policy(
     scheduler: str | None,
-    threshold: float,
     num_draft_given: bool,
     profile: str,
     knobs: SchedulerSettings,
@@ -81,6 +80,7 @@ def _choose_policy(
     (unless the variable says false)."""
     if scheduler is not None:
         return scheduler
+    threshold = knobs.confidence_threshold
     enabled_var = ENV_VARS["enabled"]
     if enabled_var not in env and profile == "auto":
         if threshold > 0:
@@ -163,14 +163,7 @@ def build_settings(
         knobs = replace(knobs, confidence_threshold=float(confidence_threshold))
     knobs = SchedulerSettings.from_env(env, base=knobs, keep=keep)
 
-    policy = _choose_policy(
-        scheduler,
-        knobs.confidence_threshold,
-        num_draft is not None,
-        profile,
-        knobs,
-        env,
-    )
+    policy = _choose_policy(scheduler, num_draft is not None, profile, knobs, env)
     if policy != "threshold" and knobs.confidence_threshold:
         knobs = replace(knobs, confidence_threshold=0.0)
     cap = block_size if num_draft is None else int(num_draft)
