@@ -137,6 +137,17 @@ def test_bad_flag_values(pair, args, message):
         assert message in result.stderr
 
 
+def test_dspark_flag_values_are_checked_before_loading(pair, tmp_path):
+    _, drafter = pair
+    missing = str(tmp_path / "no-target")
+    result = run(
+        "--model", missing, "--draft-model", drafter, "-p", "t1",
+        "--dspark-confidence-threshold", "1.5",
+    )  # fmt: skip
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "--dspark-confidence-threshold must be in" in result.stderr
+
+
 def test_missing_paths_and_broken_files(pair, tmp_path):
     target, drafter = pair
     missing = run("--model", str(tmp_path / "none"), "-p", "t1")

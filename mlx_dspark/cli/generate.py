@@ -393,6 +393,7 @@ def _run_dspark(args: argparse.Namespace, explicit: set[str]) -> None:
     from ..loading import load
 
     _refuse_for_dspark(args)
+    _speculation(args, explicit, sys.maxsize)  # all but the block size, before loading
     default_pair = args.model is None
     model, tokenizer, drafter = load(args.model, args.draft_model, **_load_kwargs(args))
     _add_eos_tokens(tokenizer, args.extra_eos_token)
