@@ -78,7 +78,6 @@ COMMON_FLAGS = [
     "--draft-vocab", "4096",
     "--seq-len", str(SEQ_LEN),
     "--anchors", "160",
-    "--lr", "1e-3",
     "--init-from-target",
     "--dtype", "float32",
     "--quantize-bits", "4",
@@ -86,11 +85,12 @@ COMMON_FLAGS = [
     "--log-every", "5",
     "--seed", "0",
 ]  # fmt: skip
-# Two answers a step, every answer position an anchor (160 covers them), the
-# target run on the fly: each answer is seen about once, so a teacher store
-# (one target pass over all the data up front) would not pay.
-TRAIN_FLAGS = [*COMMON_FLAGS, "--markov-head", "vanilla", "--batch-size", "2",
-               "--steps", "220"]  # fmt: skip
+# Four answers a step, every answer position an anchor (160 covers them), about
+# two and a quarter epochs from a teacher store (one target pass over the data,
+# then steps never run the target); 24 answers held out as a validation curve.
+TRAIN_FLAGS = [*COMMON_FLAGS, "--markov-head", "vanilla", "--batch-size", "4",
+               "--steps", "560", "--lr", "1.5e-3", "--val-sequences", "24",
+               "--val-every", "80"]  # fmt: skip
 CALIBRATE_FLAGS = ["--rounds", "200", "--max-tokens", "64"]
 # Calibration prompts, none of them from the training templates.
 CALIBRATION_PROMPTS = (
@@ -393,7 +393,7 @@ def train(
 
 def ablation(work: Path, target: Path, files: list[Path], env: dict) -> None:
     """The four sequential heads with one budget, then held-out acceptance."""
-    cache = ["--teacher-store", str(work / "teacher")]
+    cache = ["--teacher-store", str(work / "teacher"), "--lr", "1e-3"]
     for head in ("vanilla", "gated", "rnn", "none"):
         flags = [*COMMON_FLAGS, *cache, "--markov-head", head,
                  "--batch-size", str(ABLATION_BATCH), "--steps", str(ABLATION_STEPS)]  # fmt: skip
@@ -442,7 +442,8 @@ def main() -> None:
         return
     answers = sorted(regen_dir.glob("t*.jsonl.gz"))
     drafter = work / "drafter"
-    train(target, answers, drafter, TRAIN_FLAGS, env)
+    store = ["--teacher-store", str(work / "teacher")]
+    train(target, answers, drafter, [*TRAIN_FLAGS, *store], env)
     if not (drafter / "dspark_calibration.json").exists():
         run(
             [sys.executable, "-m", "mlx_dspark.calibrate", "--model", str(target), "--draft-model",
