@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import DSparkError
-from ..settings import SCHEDULERS
+from ..settings import SCHEDULERS, build_settings
 from .terminal import ArgumentParser, progress_bar, run_cli
 
 # mlx-lm's --max-tokens -1 means "no limit".
@@ -234,8 +234,6 @@ def _speculation(args: argparse.Namespace, explicit: set[str], block_size: int):
     """The speculation setup of the DSpark flags (see
     :func:`~mlx_dspark.settings.build_settings`); a flag not given leaves its
     ``DSPARK_*`` variable, if any, in charge."""
-    from ..settings import build_settings
-
     alias = "dspark_n_draft" not in explicit and "num_draft_tokens" in explicit
     names = {
         "num_draft": "--num-draft-tokens" if alias else "--dspark-n-draft",
