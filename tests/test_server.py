@@ -492,24 +492,23 @@ def test_monotone_cost():
 
 
 def test_draft_gate():
-    """Steps draft only when drafting is measured to pay, and probe again."""
-    from mlx_dspark.serving.engine import DraftGate, StepCost
+    """Steps draft only when drafting was measured faster for that many
+    requests, probe again, and follow the measurements."""
+    from mlx_dspark.serving.engine import DraftGate
 
-    cost = StepCost()
     gate = DraftGate(probe_every=3)
-    assert gate.should_draft(4, cost)  # nothing measured yet
-    cost.record_verify(20, 1.0)
-    cost.record_draft(0.5)
-    gate.record(4, accepted=1, verified=16, drafted=True)
-    assert not gate.should_draft(4, cost)  # a plain step of 4 is not timed yet
-    cost.record_verify(4, 0.5)
-    gate.record(4, 0, 0, drafted=False)
-    # Drafting: 4 * 1.25 tokens in 1.5 s; plain: 4 tokens in 0.5 s.
-    assert not gate.should_draft(4, cost)
-    gate.record(4, 0, 0, drafted=False)
-    gate.record(4, 0, 0, drafted=False)
-    assert gate.should_draft(4, cost)  # probe after probe_every plain steps
-    gate.record(4, accepted=24, verified=24, drafted=True)
-    gate.record(4, accepted=28, verified=28, drafted=True)
-    # The acceptance estimate climbs past what drafting costs.
-    assert gate.should_draft(4, cost)
+    assert gate.should_draft(4)  # nothing measured yet
+    gate.record(4, tokens=5, seconds=1.5, drafted=True)
+    assert not gate.should_draft(4)  # a plain step of 4 is not timed yet
+    gate.record(4, tokens=4, seconds=0.5, drafted=False)
+    # Drafting: 5 tokens in 1.5 s; plain: 4 tokens in 0.5 s.
+    assert not gate.should_draft(4)
+    assert gate.should_draft(2)  # another batch size is measured on its own
+    gate.record(4, 4, 0.5, drafted=False)
+    gate.record(4, 4, 0.5, drafted=False)
+    assert gate.should_draft(4)  # probe after probe_every plain steps
+    for _ in range(8):
+        gate.record(4, tokens=24, seconds=1.5, drafted=True)
+    # The drafting rate climbs past the plain one (16 against 8 tokens/s).
+    assert gate.should_draft(4)
+    assert gate.rate(4, True) > gate.rate(4, False)

@@ -206,52 +206,52 @@ class StepCost:
 
 @dataclass
 class DraftGate:
-    """Whether a step drafts at all, from what past steps measured.
+    """Whether a step drafts at all: whichever of drafting and plain steps
+    was measured faster for this many requests.
 
-    A step that drafts commits about ``R (1 + accepted)`` tokens in ``draft +
-    t(R (1 + verified))`` seconds, a plain step ``R`` tokens in ``t(R)``
-    (``accepted`` and ``verified``: moving averages of drafts per request in
-    drafting steps, ``t`` the measured step cost). The step drafts when that
-    is faster; when it has not drafted for ``probe_every`` steps it drafts
-    anyway, to keep the estimates current, and a batch size whose plain step
-    was never timed gets one plain step. Decided before drafting, from past
-    steps only, so it never biases what is committed.
+    For each number of requests it keeps moving averages of the tokens a step
+    committed and the seconds it took, whole (draft, verify, settle), apart
+    for drafting and for plain steps, and drafts when drafting commits more
+    tokens per second. Measured rather than modelled: a batched forward's
+    cost depends on more than its token count (padding to the longest chain,
+    the per-request cache copy), and drafting for two requests costs more
+    than for one. A size never measured drafts once and then steps plain
+    once; after ``probe_every`` plain steps in a row it drafts again, to
+    keep the estimate current. Decided before drafting, from past steps
+    only, so it never biases what is committed.
     """
 
     probe_every: int = 16
     alpha: float = 0.2
-    accepted: float | None = None
-    verified: float | None = None
+    measured: dict[tuple[int, bool], tuple[float, float]] = field(
+        default_factory=dict
+    )  # (requests, drafted) -> averaged (tokens, seconds)
     plain_steps: int = 0
 
-    def should_draft(self, requests: int, cost: StepCost) -> bool:
-        if self.accepted is None or self.plain_steps >= self.probe_every:
-            return True
-        if requests not in cost.counts:
-            return False  # time a plain step of this size once
-        curve = cost.curve()
-        plain = requests / curve.step_seconds(requests)
-        tokens = requests * (1 + self.verified)
-        draft = (
-            requests
-            * (1 + self.accepted)
-            / (cost.draft_seconds + curve.step_seconds(tokens))
-        )
-        return draft > plain
+    def rate(self, requests: int, drafted: bool) -> float | None:
+        """Measured tokens per second, None before the first such step."""
+        found = self.measured.get((requests, drafted))
+        return None if found is None else found[0] / max(found[1], 1e-9)
 
-    def record(
-        self, requests: int, accepted: int, verified: int, drafted: bool
-    ) -> None:
-        if not drafted:
-            self.plain_steps += 1
-            return
-        self.plain_steps = 0
-        a, v = accepted / requests, verified / requests
-        if self.accepted is None:
-            self.accepted, self.verified = a, v
+    def should_draft(self, requests: int) -> bool:
+        drafting = self.rate(requests, True)
+        if drafting is None or self.plain_steps >= self.probe_every:
+            return True
+        plain = self.rate(requests, False)
+        return plain is not None and drafting > plain
+
+    def record(self, requests: int, tokens: int, seconds: float, drafted: bool) -> None:
+        self.plain_steps = 0 if drafted else self.plain_steps + 1
+        key = (requests, drafted)
+        old = self.measured.get(key)
+        if old is None:
+            self.measured[key] = (float(tokens), seconds)
         else:
-            self.accepted += self.alpha * (a - self.accepted)
-            self.verified += self.alpha * (v - self.verified)
+            a = self.alpha
+            self.measured[key] = (
+                old[0] + a * (tokens - old[0]),
+                old[1] + a * (seconds - old[1]),
+            )
 
 
 @dataclass
@@ -505,11 +505,7 @@ class BatchEngine:
         cap = self.policy.round_cap(self.n_max) if self.n_max else 0
         caps = [self._cap(s, cap) for s in slots]
         gate = self.gate
-        if (
-            any(caps)
-            and gate is not None
-            and not gate.should_draft(len(slots), self.cost)
-        ):
+        if any(caps) and gate is not None and not gate.should_draft(len(slots)):
             caps = [0] * len(slots)
         proposals = self._draft(slots, caps)
         lazy = []
@@ -538,7 +534,7 @@ class BatchEngine:
         self.stats.target_forwards += 1
         self.stats.request_rounds += len(slots)
         self.stats.max_batch = max(self.stats.max_batch, len(slots))
-        accepted_now = 0
+        committed_now = 0
         for slot, c, proposal, chain, (logits, features) in zip(
             slots, caps, proposals, drafts, outputs, strict=True
         ):
@@ -574,11 +570,11 @@ class BatchEngine:
             self.policy.observe(proposal, round_stats)
             self.stats.drafts_verified += len(chain)
             self.stats.drafts_accepted += result.accepted
-            accepted_now += result.accepted
+            committed_now += len(tokens)
             self._emit(slot, tokens, logprobs)
         if gate is not None and self.n_max:
-            verified_now = sum(len(d) for d in drafts)
-            gate.record(len(slots), accepted_now, verified_now, any(caps))
+            seconds = time.perf_counter() - tic
+            gate.record(len(slots), committed_now, seconds, any(caps))
 
     def _draft(self, slots: list[_Slot], caps: list[int]) -> list[Proposal]:
         """A proposal per request (empty where its cap is 0), lazily.
