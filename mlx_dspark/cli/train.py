@@ -140,7 +140,8 @@ def build_parser(prog: str = "mlx_dspark.train") -> argparse.ArgumentParser:
     )
     add(
         "--init-from-target",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="Start the draft layers from the target's top decoder layers.",
     )
     add(
