@@ -5,7 +5,8 @@ concurrent clients and each server -- DSpark on (the batched engine with
 Algorithm 1), DSpark off (the same server with ``--dspark-n-draft 0``, plain
 batched decoding) and ``mlx_lm.server`` with the same target -- the clients
 send ``--requests`` bounded greedy requests each over HTTP on 127.0.0.1, and
-the script reports total generated tokens per second and per-request latency.
+the script reports total generated tokens per second (the median of
+``--trials`` runs, whose order rotates) and per-request latency.
 Our two servers run in this process; ``mlx_lm.server`` runs as a child
 process, started per pair on a free port (``import mlx_dspark`` first, so it
 gets the same OpenBLAS). Each server answers one short warm-up request first.
@@ -182,8 +183,10 @@ def load_pair(name: str, args):
     return model, tokenizer, drafter, target, prompts, chat
 
 
-def measure_pair(name: str, args, log) -> list[dict]:
-    from mlx_dspark.profile import load_profile
+def serve_ours(
+    model, tokenizer, drafter, num_draft, prior, args, prompts, chat, clients
+):
+    """One run of our server (a fresh engine, DSpark on or off) under the clients."""
     from mlx_dspark.serving import (
         BatchEngine,
         EngineConfig,
@@ -191,63 +194,99 @@ def measure_pair(name: str, args, log) -> list[dict]:
         make_server,
     )
 
+    engine = BatchEngine(
+        model,
+        tokenizer,
+        drafter,
+        EngineConfig(
+            num_draft=num_draft,
+            max_batch=max(args.clients),
+            prior=prior,
+            adaptive=not args.always_draft,
+        ),
+    )
+    server = make_server(engine, tokenizer, ServerSettings(), port=0)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    port = server.server_address[1]
+    try:
+        request(port, prompts[0], 4, chat)  # warm-up
+        result = run_clients(port, prompts, clients, args.requests,
+                             args.max_tokens, chat)  # fmt: skip
+    finally:
+        server.shutdown()
+        server.server_close()
+        engine.stop()
+    result["mean_batch"] = engine.stats.mean_batch
+    return result
+
+
+def merge(runs: list[dict]) -> dict:
+    """Trials of one mode: the median throughput, latencies and counts pooled."""
+    latencies = [t for r in runs for t in r["latencies"]]
+    merged = {
+        "tok_s": statistics.median(r["tok_s"] for r in runs),
+        "trials_tok_s": [round(r["tok_s"], 2) for r in runs],
+        "p50_s": statistics.median(latencies) if latencies else float("nan"),
+        "max_s": max(latencies, default=float("nan")),
+        "latencies": latencies,
+        "requests": sum(r["requests"] for r in runs),
+        "errors": [e for r in runs for e in r["errors"]],
+    }
+    if "mean_batch" in runs[0]:
+        merged["mean_batch"] = statistics.median(r["mean_batch"] for r in runs)
+    if "same_as_dspark" in runs[0]:
+        merged["same_as_dspark"] = sum(r["same_as_dspark"] for r in runs)
+    return merged
+
+
+def measure_pair(name: str, args, log) -> list[dict]:
+    """Every client count: ``--trials`` rounds of the modes, in an order that
+    rotates each trial (no mode always runs first, right after another's
+    load), each mode's throughput the median of its trials."""
+    from mlx_dspark.profile import load_profile
+
     model, tokenizer, drafter, target, prompts, chat = load_pair(name, args)
     prior = load_profile(model, drafter)
+    modes = ["dspark", "plain"]
     mlx_lm = None
     if not args.no_mlx_lm:
         mlx_lm_port = free_port()
         mlx_lm = start_mlx_lm(target, mlx_lm_port, log)
         request(mlx_lm_port, prompts[0], 4, chat)  # warm-up
+        modes.append("mlx_lm")
     replies: dict[str, str] = {}
     rows = []
     try:
         for clients in args.clients:
-            row = {"pair": name, "clients": clients}
-            for mode, num_draft in (("dspark", None), ("plain", 0)):
-                engine = BatchEngine(
-                    model,
-                    tokenizer,
-                    drafter,
-                    EngineConfig(
-                        num_draft=num_draft,
-                        max_batch=max(args.clients),
-                        prior=prior,
-                        adaptive=not args.always_draft,
-                    ),
-                )
-                server = make_server(engine, tokenizer, ServerSettings(), port=0)
-                thread = threading.Thread(target=server.serve_forever, daemon=True)
-                thread.start()
-                port = server.server_address[1]
-                try:
-                    request(port, prompts[0], 4, chat)  # warm-up
-                    result = run_clients(
-                        port, prompts, clients, args.requests, args.max_tokens, chat
-                    )
-                finally:
-                    server.shutdown()
-                    server.server_close()
-                    engine.stop()
-                for prompt, text in result.pop("texts"):
-                    if replies.setdefault(prompt, text) != text:
-                        result["errors"].append(f"corrupted reply to {prompt[:40]!r}")
-                if result["errors"]:
-                    raise SystemExit(
-                        f"{name} {mode} at {clients} clients: {result['errors'][:3]}"
-                    )
-                result["mean_batch"] = engine.stats.mean_batch
-                row[mode] = result
-            if mlx_lm is not None:
-                result = run_clients(
-                    mlx_lm_port, prompts, clients, args.requests, args.max_tokens, chat
-                )
-                if result["errors"]:
-                    raise SystemExit(
-                        f"{name} mlx_lm at {clients} clients: {result['errors'][:3]}"
-                    )
+            runs: dict[str, list[dict]] = {m: [] for m in modes}
+            for trial in range(args.trials):
+                for mode in modes[trial % len(modes) :] + modes[: trial % len(modes)]:
+                    if mode == "mlx_lm":
+                        result = run_clients(mlx_lm_port, prompts, clients,
+                                             args.requests, args.max_tokens, chat)  # fmt: skip
+                    else:
+                        num_draft = None if mode == "dspark" else 0
+                        result = serve_ours(model, tokenizer, drafter, num_draft,
+                                            prior, args, prompts, chat, clients)  # fmt: skip
+                    if result["errors"]:
+                        raise SystemExit(
+                            f"{name} {mode} at {clients} clients: {result['errors'][:3]}"
+                        )
+                    runs[mode].append(result)
+            for mode in ("dspark", "plain"):  # ours first: they define the replies
+                for result in runs[mode]:
+                    for prompt, text in result.pop("texts"):
+                        if replies.setdefault(prompt, text) != text:
+                            raise SystemExit(
+                                f"{name} {mode} at {clients} clients: corrupted "
+                                f"reply to {prompt[:40]!r}"
+                            )
+            for result in runs.get("mlx_lm", []):
                 texts = result.pop("texts")
                 result["same_as_dspark"] = sum(replies.get(p) == t for p, t in texts)
-                row["mlx_lm"] = result
+            row = {"pair": name, "clients": clients}
+            row.update({mode: merge(runs[mode]) for mode in modes})
             rows.append(row)
             print(json.dumps(summary(row)), flush=True)
     finally:
@@ -288,7 +327,7 @@ def print_table(rows: list[dict], args) -> None:
     print(
         f"\n{ours} requests to our servers, none lost or corrupted (greedy replies "
         f"identical per prompt); {args.requests} per client, max_tokens "
-        f"{args.max_tokens}."
+        f"{args.max_tokens}, the median of {args.trials} trials."
     )
 
 
@@ -302,6 +341,9 @@ def main() -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--requests", type=int, default=2, help="Per client.")
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument(
+        "--trials", type=int, default=3, help="Runs of each mode (median reported)."
+    )
     parser.add_argument(
         "--always-draft",
         action="store_true",
