@@ -507,8 +507,16 @@ def test_draft_gate():
     gate.record(4, 4, 0.5, drafted=False)
     gate.record(4, 4, 0.5, drafted=False)
     assert gate.should_draft(4)  # probe after probe_every plain steps
+    gate.record(4, tokens=4, seconds=1.0, drafted=True)  # a probe that lost
+    assert gate.wait == 6  # twice as long before the next one
+    for _ in range(5):
+        gate.record(4, 4, 0.5, drafted=False)
+    assert not gate.should_draft(4)
+    gate.record(4, 4, 0.5, drafted=False)
+    assert gate.should_draft(4)
     for _ in range(8):
         gate.record(4, tokens=24, seconds=1.5, drafted=True)
     # The drafting rate climbs past the plain one (16 against 8 tokens/s).
     assert gate.should_draft(4)
     assert gate.rate(4, True) > gate.rate(4, False)
+    assert gate.wait == 3  # a probe that won resets the wait

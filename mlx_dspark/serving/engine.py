@@ -216,17 +216,24 @@ class DraftGate:
     cost depends on more than its token count (padding to the longest chain,
     the per-request cache copy), and drafting for two requests costs more
     than for one. A size never measured drafts once and then steps plain
-    once; after ``probe_every`` plain steps in a row it drafts again, to
-    keep the estimate current. Decided before drafting, from past steps
-    only, so it never biases what is committed.
+    once. After ``wait`` plain steps in a row it drafts again, to keep the
+    estimate current; a probe slower than plain stepping doubles the wait (up
+    to ``probe_max``), a faster one resets it to ``probe_every``, so a pair
+    that never pays spends few steps finding out again. Decided before
+    drafting, from past steps only, so it never biases what is committed.
     """
 
     probe_every: int = 16
+    probe_max: int = 256
     alpha: float = 0.2
     measured: dict[tuple[int, bool], tuple[float, float]] = field(
         default_factory=dict
     )  # (requests, drafted) -> averaged (tokens, seconds)
     plain_steps: int = 0
+    wait: int = field(init=False)  # plain steps before the next probe
+
+    def __post_init__(self):
+        self.wait = self.probe_every
 
     def rate(self, requests: int, drafted: bool) -> float | None:
         """Measured tokens per second, None before the first such step."""
@@ -235,13 +242,21 @@ class DraftGate:
 
     def should_draft(self, requests: int) -> bool:
         drafting = self.rate(requests, True)
-        if drafting is None or self.plain_steps >= self.probe_every:
+        if drafting is None or self.plain_steps >= self.wait:
             return True
         plain = self.rate(requests, False)
         return plain is not None and drafting > plain
 
     def record(self, requests: int, tokens: int, seconds: float, drafted: bool) -> None:
-        self.plain_steps = 0 if drafted else self.plain_steps + 1
+        if drafted:
+            plain = self.rate(requests, False)
+            faster = plain is None or tokens / max(seconds, 1e-9) > plain
+            self.wait = (
+                self.probe_every if faster else min(2 * self.wait, self.probe_max)
+            )
+            self.plain_steps = 0
+        else:
+            self.plain_steps += 1
         key = (requests, drafted)
         old = self.measured.get(key)
         if old is None:
