@@ -34,8 +34,9 @@ Steps (each is skipped when its output already exists, so a rerun resumes):
 5. ``--install`` copies it into ``mlx_dspark/assets/default_drafter/``.
 6. ``--ablation`` also trains the vanilla, gated, rnn and no-TSH heads with one
    smaller budget (``ABLATION_STEPS``) and measures them on the held-out sets.
-7. ``--sweep`` (instead of step 4) trains the ``SWEEP`` variants of the recipe
-   (learning rate, anchors x answers per step, initialisation, layers) for
+7. ``--sweep`` (instead of steps 3-6, on the answers already regenerated)
+   trains the ``SWEEP`` variants of the recipe (learning rate, anchors x
+   answers per step, initialisation, layers) for
    ``SWEEP_STEPS`` steps each, prints their held-out tau against training time
    and plots it (``sweep.png`` in the work directory).
 
@@ -491,15 +492,18 @@ def main() -> None:
         )
         return
     regen_dir = args.regen_dir.expanduser()
+    if args.sweep:  # on the answers there are: the variants compare on one dataset
+        answers = sorted(regen_dir.glob("t*.jsonl.gz"))
+        if not answers:
+            raise SystemExit(f"--sweep needs regenerated answers in {regen_dir}.")
+        sweep(work, target, answers, env)
+        return
     regenerated(target, files, regen_dir, args.seed, args.regen_minutes)
     if args.data_only:
         return
     answers = sorted(regen_dir.glob("t*.jsonl.gz"))
     drafter = work / "drafter"
     store = ["--teacher-store", str(work / "teacher")]
-    if args.sweep:
-        sweep(work, target, answers, env)
-        return
     train(target, answers, drafter, [*TRAIN_FLAGS, *store], env)
     if not (drafter / "dspark_calibration.json").exists():
         run(
