@@ -68,6 +68,7 @@ import mlx_dspark  # noqa: F401  (first: it loads a system OpenBLAS before mlx.c
 # isort: on
 from drafter_prompts import build_prompts
 from eval_default_pair import CHAT as HELD_OUT_CHAT
+from plot_learning_curves import curve
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 SEQ_LEN = 320
@@ -446,13 +447,11 @@ def sweep(work: Path, target: Path, files: list[Path], env: dict) -> None:
             raise SystemExit("a sweep run failed")
     print(f"{'variant':14} {'minutes':>8} {'pos/s':>6}  held-out tau by 20 steps")
     for name in names:
+        minutes, taus = curve(work / f"sweep-{name}")
         record = json.loads((work / f"sweep-{name}/training_record.json").read_text())
-        rows = record["validation"]
-        taus = " ".join(f"{row[-1]:.3f}" for row in rows)
-        minutes = rows[-1][1] / 60
-        print(
-            f"{name:14} {minutes:8.1f} {record['block_positions_per_s']:6.0f}  {taus}"
-        )
+        shown = " ".join(f"{tau:.3f}" for tau in taus)
+        rate = record["block_positions_per_s"]
+        print(f"{name:14} {minutes[-1]:8.1f} {rate:6.0f}  {shown}")
     run([sys.executable, str(Path(__file__).with_name("plot_learning_curves.py")),
          *(str(work / f"sweep-{n}") for n in names), "--out", str(work / "sweep.png")],
         env=env)  # fmt: skip
