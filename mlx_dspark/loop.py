@@ -115,13 +115,18 @@ class ThresholdPolicy:
 def prefill(
     target: TargetAdapter, prompt: mx.array, cache: list, step: int = 512
 ) -> tuple[mx.array, mx.array]:
-    """Run the prompt through the target; last logits and every token's features."""
+    """Run the prompt through the target; last logits and every token's features.
+
+    Only the last position goes through the LM head: no other prompt
+    position's logits are used, and on SmolLM2 the head is a fifth of a
+    prompt token's cost.
+    """
     features = []
     for begin in range(0, prompt.size, step):
-        logits, feats = target(prompt[None, begin : begin + step], cache)
-        mx.eval(logits, feats)
+        hidden, feats = target.hidden(prompt[None, begin : begin + step], cache)
+        mx.eval(hidden[:, -1], feats)
         features.append(feats)
-    return logits[0, -1], mx.concatenate(features, axis=1)
+    return target.lm_head(hidden[0, -1]), mx.concatenate(features, axis=1)
 
 
 def plain_step(

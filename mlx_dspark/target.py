@@ -177,6 +177,81 @@ class WindowKVCache:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
 
+class BatchRow:
+    """A request's row in a :class:`RequestBatch`: what a batched request
+    holds instead of its own cache (:meth:`TargetAdapter.rollback` takes
+    either)."""
+
+    def __init__(self, batch: RequestBatch):
+        self.batch = batch
+
+
+class RequestBatch:
+    """The running requests' target caches, kept as one left-padded batch.
+
+    :meth:`TargetAdapter.forward_batch` copies every request's cache into a
+    batch buffer and its new keys back out, every step. Here the caches live
+    in one mlx-lm ``BatchKVCache`` per layer, which a step reads and appends
+    to in place (:meth:`TargetAdapter.forward_rows`). A request joins after
+    its prefill and leaves when done, each a copy of the batch, as mlx-lm's
+    own batched generation does. Rows may keep different numbers of a step's
+    new tokens: the rejected ones are only counted, and the next use of the
+    batch trims what every row rejected and rolls each row's remainder into
+    its left padding.
+    """
+
+    def __init__(self):
+        self.layers: list[BatchKVCache] = []
+        self.rows: list[BatchRow] = []
+        self.rejected: list[int] = []
+
+    def join(self, cache: list) -> BatchRow:
+        """Move a prefilled request's cache into the batch, as its last row."""
+        self.settle()
+        merged = [BatchKVCache.merge([layer]) for layer in cache]
+        if self.rows:
+            for layer, joining in zip(self.layers, merged, strict=True):
+                layer.extend(joining)
+        else:
+            self.layers = merged
+        row = BatchRow(self)
+        self.rows.append(row)
+        self.rejected.append(0)
+        return row
+
+    def leave(self, row: BatchRow) -> None:
+        """Drop a request's row (and the padding only it needed)."""
+        self.settle()
+        i = self.rows.index(row)
+        del self.rows[i], self.rejected[i]
+        if not self.rows:
+            self.layers = []
+            return
+        keep = mx.array([j for j in range(len(self.rows) + 1) if j != i])
+        for layer in self.layers:
+            layer.filter(keep)
+
+    def reject(self, row: BatchRow, n: int) -> None:
+        self.rejected[self.rows.index(row)] += n
+
+    def settle(self) -> None:
+        """Drop every row's rejected tokens from the end of its cache."""
+        if not any(self.rejected):
+            return
+        common = min(self.rejected)
+        rest = [n - common for n in self.rejected]
+        for layer in self.layers:
+            layer.trim(common)
+            if any(rest):
+                layer.prepare(right_padding=rest)
+                layer.finalize()
+        self.rejected = [0] * len(self.rows)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+
 class TargetAdapter:
     """Hidden-state taps, cache rollback and embeddings of an mlx-lm model.
 
@@ -290,11 +365,15 @@ class TargetAdapter:
             )
         return cache
 
-    def rollback(self, cache: list, n: int) -> None:
+    def rollback(self, cache: list | BatchRow, n: int) -> None:
         """Drop the last ``n`` tokens from every layer's cache."""
-        if n > 0:
-            for c in cache:
-                c.trim(n)
+        if n <= 0:
+            return
+        if isinstance(cache, BatchRow):
+            cache.batch.reject(cache, n)
+            return
+        for c in cache:
+            c.trim(n)
 
     def commit_path(self, cache: list, start: int, path: Sequence[int]) -> None:
         """Keep only the nodes ``path`` of the last tree forward, contiguously.
@@ -483,7 +562,10 @@ class TargetAdapter:
             )
 
     def forward_batch(
-        self, tokens: Sequence[Sequence[int]], caches: Sequence[list]
+        self,
+        tokens: Sequence[Sequence[int]],
+        caches: Sequence[list],
+        last_only: bool = False,
     ) -> list[tuple[mx.array, mx.array | None]]:
         """One forward for R requests, each with its own single-request cache.
 
@@ -493,7 +575,8 @@ class TargetAdapter:
         that request alone. Each request's new keys/values (all its rows) are
         appended to its own cache; roll back rejected ones with
         :meth:`rollback`. Returns ``(logits [1, L_r, V], features [1, L_r, F])``
-        per request.
+        per request; with ``last_only`` (a prefill) the logits are only the
+        last token's, ``[1, 1, V]``.
         """
         lengths = [len(t) for t in tokens]
         if len(caches) != len(lengths) or min(lengths, default=0) < 1:
@@ -505,7 +588,12 @@ class TargetAdapter:
             for layer in range(len(caches[0]))
         ]
         padded = mx.array([list(t) + [0] * (width - len(t)) for t in tokens])
-        logits, features = self(padded, batch_cache)
+        hidden, features = self.hidden(padded, batch_cache)
+        if last_only:
+            last = hidden[mx.arange(len(lengths)), mx.array(lengths) - 1]
+            logits = self.lm_head(last[:, None])
+        else:
+            logits = self.lm_head(hidden)
         out = []
         for r, (cache, n) in enumerate(zip(caches, lengths, strict=True)):
             for layer, stacked in zip(cache, batch_cache, strict=True):
@@ -515,40 +603,76 @@ class TargetAdapter:
                     k[r : r + 1, :, end - n : end], v[r : r + 1, :, end - n : end]
                 )
             feats = None if features is None else features[r : r + 1, :n]
-            out.append((logits[r : r + 1, :n], feats))
+            out.append((logits[r : r + 1, : 1 if last_only else n], feats))
         return out
+
+    def forward_rows(
+        self, tokens: Sequence[Sequence[int]], rows: Sequence[BatchRow]
+    ) -> list[tuple[mx.array, mx.array | None]]:
+        """One forward for every row of a :class:`RequestBatch`, in place:
+        row r's tokens, right-padded to the longest (the padding counts as
+        rejected at once). Returns what :meth:`forward_batch` returns."""
+        batch = rows[0].batch
+        if list(rows) != batch.rows:
+            raise ValueError("tokens are required for every row, in the batch's order")
+        batch.settle()
+        lengths = [len(t) for t in tokens]
+        if len(lengths) != len(rows) or min(lengths) < 1:
+            raise ValueError("one non-empty token list per row is required")
+        width = max(lengths)
+        padded = mx.array([list(t) + [0] * (width - len(t)) for t in tokens])
+        hidden, features = self.hidden(padded, batch.layers)
+        logits = self.lm_head(hidden)
+        batch.rejected = [width - n for n in lengths]
+        return [
+            (
+                logits[r : r + 1, :n],
+                None if features is None else features[r : r + 1, :n],
+            )
+            for r, n in enumerate(lengths)
+        ]
 
 
 def _batch_cache(
-    past: Sequence[tuple[mx.array, mx.array]], offsets: Sequence[int], width: int
+    past: Sequence[tuple[mx.array, mx.array] | None],
+    offsets: Sequence[int],
+    width: int,
 ) -> BatchKVCache:
-    """The requests' cached keys/values, left-padded into one buffer with room
-    for ``width`` new tokens.
+    """The requests' cached keys/values (``None``: nothing cached yet),
+    left-padded into one buffer with room for ``width`` new tokens.
 
     Written straight into a buffer of the exact final length: one copy of each
     request's cache, and attention reads the whole (contiguous) buffer.
     Padding and concatenating, then ``update_and_fetch`` into an empty
     ``BatchKVCache`` (which allocates in steps of 256 tokens), copied it three
-    times and made attention read a slice.
+    times and made attention read a slice. When no request has a cache yet
+    (prompts prefilled together), the buffer is the forward's own.
     """
-    longest = max(k.shape[2] for k, _ in past)
-    k0, v0 = past[0]
-    keys = mx.zeros((len(past), k0.shape[1], longest + width, k0.shape[3]), k0.dtype)
-    values = mx.zeros((len(past), v0.shape[1], longest + width, v0.shape[3]), v0.dtype)
-    for r, (k, v) in enumerate(past):
-        if k.shape[2]:
-            keys[r : r + 1, :, longest - k.shape[2] : longest] = k
-            values[r : r + 1, :, longest - v.shape[2] : longest] = v
-    cache = BatchKVCache([longest - k.shape[2] for k, _ in past])
-    cache.keys, cache.values, cache._idx = keys, values, longest
+    sizes = [0 if p is None else p[0].shape[2] for p in past]
+    longest = max(sizes)
+    cache = BatchKVCache([longest - size for size in sizes])
+    present = [p for p in past if p is not None]
+    if present:
+        k0, v0 = present[0]
+        shape = (len(past), k0.shape[1], longest + width)
+        keys = mx.zeros((*shape, k0.shape[3]), k0.dtype)
+        values = mx.zeros((*shape, v0.shape[3]), v0.dtype)
+        for r, (p, size) in enumerate(zip(past, sizes, strict=True)):
+            if size:
+                keys[r : r + 1, :, longest - size : longest] = p[0]
+                values[r : r + 1, :, longest - size : longest] = p[1]
+        cache.keys, cache.values, cache._idx = keys, values, longest
     # A sliding-window layer passes on only its window: RoPE must still see
     # each request's absolute position.
     cache.offset = mx.array(offsets)
     return cache
 
 
-def _past(cache) -> tuple[mx.array, mx.array]:
-    """The cached keys and values a next query may attend to, oldest first."""
+def _past(cache) -> tuple[mx.array, mx.array] | None:
+    """The cached keys and values a next query may attend to, oldest first;
+    ``None`` before the cache's first update."""
+    if cache.keys is None:
+        return None
     if isinstance(cache, WindowKVCache):
         first = cache._visible(cache.offset)
         keys, values = cache.state

@@ -74,9 +74,10 @@ def test_stop_token_inside_accepted_block(pair_factory, head):
         markov_head_type=head, block_size=8
     )
     prompt = PROMPTS[2]
-    responses = list(
-        stream_generate(model, tokenizer, drafter, prompt, max_tokens=MAX_TOKENS)
-    )
+    # Always draft a whole block: the default policy may decode plainly on a
+    # busy machine, and then no block is accepted.
+    drafting = {"max_tokens": MAX_TOKENS, "num_draft": drafter.block_size}
+    responses = list(stream_generate(model, tokenizer, drafter, prompt, **drafting))
     # A stop token that the target accepted as a draft in the middle of a block.
     stop = next(
         r.token
@@ -85,9 +86,7 @@ def test_stop_token_inside_accepted_block(pair_factory, head):
     )
     tokenizer = load_tokenizer(target_dir)
     tokenizer.add_eos_token(str(stop))
-    ours = list(
-        stream_generate(model, tokenizer, drafter, prompt, max_tokens=MAX_TOKENS)
-    )
+    ours = list(stream_generate(model, tokenizer, drafter, prompt, **drafting))
     theirs = list(
         mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=MAX_TOKENS)
     )

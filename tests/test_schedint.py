@@ -278,6 +278,51 @@ def test_verify_batch_equals_single(pair_factory, temperature):
     assert got == want
 
 
+def test_request_batch_equals_single_caches(pair_factory):
+    """Rows of a RequestBatch that join, verify chains of different lengths,
+    keep different numbers of tokens and leave give every request the logits
+    and features its own cache gives it."""
+    from mlx_dspark.target import RequestBatch
+
+    model, _, drafter, *_ = pair_factory(block_size=8)
+    target = TargetAdapter(model, drafter.config.target_layer_ids)
+    rng = np.random.default_rng(0)
+    batch, own, rows = RequestBatch(), [], []
+
+    def join(prompt):
+        single, joining = target.make_cache(), target.make_cache()
+        for cache in (single, joining):
+            target(mx.array([prompt]), cache)
+        own.append(single)
+        rows.append(batch.join(joining))
+
+    join([1, 2, 3])
+    join([20, 4, 11, 9, 7, 7, 1])
+    for step in range(8):
+        if step == 3:
+            join([5])
+        if step == 5:
+            batch.leave(rows.pop(1))
+            own.pop(1)
+        chains = [rng.integers(0, 30, size=rng.integers(1, 6)).tolist() for _ in rows]
+        outputs = target.forward_rows(chains, rows)
+        for chain, cache, row, (logits, features) in zip(
+            chains, own, rows, outputs, strict=True
+        ):
+            want_logits, want_features = target(mx.array([chain]), cache)
+            assert logits.shape == want_logits.shape
+            assert mx.allclose(logits, want_logits, atol=1e-4).item()
+            assert mx.allclose(features, want_features, atol=1e-4).item()
+            rejected = int(rng.integers(0, len(chain)))
+            target.rollback(cache, rejected)
+            target.rollback(row, rejected)
+    batch.settle()
+    assert any(batch.layers[0].left_padding.tolist())
+    for row in list(rows):
+        batch.leave(row)
+    assert batch.rows == [] and batch.nbytes == 0
+
+
 # --- memory guard ---------------------------------------------------------------
 
 

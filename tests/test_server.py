@@ -354,6 +354,10 @@ def run_engine(engine, prompts, max_tokens):
     handles = [
         engine.submit(GenerationRequest(p, max_tokens=max_tokens)) for p in prompts
     ]
+    return collect(handles)
+
+
+def collect(handles):
     out = []
     for handle in handles:
         tokens = []
@@ -401,6 +405,38 @@ def test_plain_batches_memory_guard_chunked_prefill(pair, expected, mode):
         assert engine.telemetry.memory_pressure_level == 2
         assert max(engine.telemetry.length_counts) <= 2
         assert engine.stats.drafts_accepted > 0
+
+
+def test_prompts_that_join_together_prefill_together(pair, expected):
+    """Requests waiting when the engine starts prefill in shared forwards
+    (prompts of different lengths, padded and masked), and still give what
+    ``generate`` gives each alone."""
+    model, tokenizer, drafter, *_ = pair
+    engine = BatchEngine(model, tokenizer, drafter, EngineConfig())
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    handles = [engine.submit(GenerationRequest(p, max_tokens=48)) for p in prompts]
+    engine.start()
+    try:
+        got = collect(handles)
+    finally:
+        engine.stop()
+    assert got == [expected[(p, 48)] for p in PROMPTS]
+    assert len({len(p) for p in prompts}) > 1
+    assert engine.stats.prefill_forwards < len(prompts)
+
+
+def test_prefill_groups():
+    """Chunks share a forward while padding to the longest stays within 1.5
+    times the real tokens."""
+    from mlx_dspark.serving.engine import prefill_groups
+
+    groups = prefill_groups([("a", 50), ("b", 300), ("c", 45), ("d", 5), ("e", 60)])
+    assert [[name for name, _ in g] for g in groups] == [["b"], ["e", "a", "c", "d"]]
+    for group in groups:
+        longest = max(n for _, n in group)
+        assert len(group) * longest <= 1.5 * sum(n for _, n in group)
+    assert prefill_groups([]) == []
+    assert prefill_groups([("a", 7)]) == [[("a", 7)]]
 
 
 def test_step_cost_curve():

@@ -632,6 +632,12 @@ def metrics_text(engine: BatchEngine) -> str:
             s.max_batch,
         ),
         (
+            "dspark_server_prefill_forwards_total",
+            "counter",
+            "Target forwards prefilling prompt chunks (several prompts each).",
+            s.prefill_forwards,
+        ),
+        (
             "dspark_server_prompt_tokens_total",
             "counter",
             "Prompt tokens prefilled.",
