@@ -218,9 +218,8 @@ class DraftGate:
     tokens per second. Measured rather than modelled: a batched forward's
     cost depends on more than its token count (padding to the longest chain,
     re-aligning rows that kept different numbers of tokens), and drafting for
-    two requests costs more
-    than for one. A size never measured drafts once and then steps plain
-    once. After ``wait`` plain steps in a row it drafts again, to keep the
+    two requests costs more than for one. A size never measured drafts once
+    and then steps plain once. After ``wait`` plain steps in a row it drafts again, to keep the
     estimate current; a probe slower than plain stepping doubles the wait (up
     to ``probe_max``), a faster one resets it to ``probe_every``, so a pair
     that never pays spends few steps finding out again. Decided before
@@ -500,9 +499,9 @@ class BatchEngine:
         """About one prefill chunk of prompt tokens between decode steps.
 
         A long prompt delays the running requests a chunk at a time, not by
-        its whole prefill. The chunks run as few target forwards as keep
-        padding below the real tokens (:func:`prefill_groups`): prompts that
-        join together prefill together, as ``mlx_lm.server`` batches them.
+        its whole prefill. Chunks of similar length share a target forward
+        (:func:`prefill_groups`): prompts that join together prefill
+        together, as ``mlx_lm.server`` batches them.
         """
         step = self.config.prefill_step_size
         budget, chunks = step, []
