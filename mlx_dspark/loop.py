@@ -126,7 +126,7 @@ def prefill(
         hidden, feats = target.hidden(prompt[None, begin : begin + step], cache)
         mx.eval(hidden[:, -1], feats)
         features.append(feats)
-    return target.lm_head(hidden[0, -1]), mx.concatenate(features, axis=1)
+    return target.lm_head(hidden[:, -1:])[0, -1], mx.concatenate(features, axis=1)
 
 
 def plain_step(
