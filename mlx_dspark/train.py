@@ -22,7 +22,7 @@ import logging
 import math
 import shutil
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -33,7 +33,13 @@ import numpy as np
 from .data import load_sequences, regenerate, sha256
 from .errors import DSparkError
 from .target import TargetAdapter
-from .training.batches import Batch, DraftVocabulary, draft_vocabulary, make_batch
+from .training.batches import (
+    Batch,
+    DraftVocabulary,
+    draft_vocabulary,
+    make_batch,
+    shard,
+)
 from .training.checkpoint import (
     STATE_VERSION,
     checkpoint_path,
@@ -139,9 +145,23 @@ def train(
 
     ``progress(stage, done, total, metrics)`` follows the stages
     ("regenerating", "teacher store", "training"); the CLI draws it.
+    Started by ``mlx.launch`` with several processes, it trains data-parallel
+    (:func:`~mlx_dspark.training.batches.shard`): rank 0 reports, validates,
+    checkpoints and exports, and builds the teacher store before the others
+    open it.
     """
+    group = mx.distributed.init()
+    rank, size = group.rank(), group.size()
+    if rank > 0:
+        args, progress = replace(args, quiet=True), None
     stage = _stage_progress(progress)
     _check_args(args)
+    if size > 1 and args.regenerate:
+        raise DSparkError("Regenerate in one process (--regenerate), then train.")
+    if size > args.batch_size:
+        raise DSparkError(
+            f"--batch-size {args.batch_size} is smaller than the {size} processes."
+        )
     out = Path(args.out).expanduser()
     ckpt = checkpoint_path(out)
     target_path, target_config, model, tokenizer = _load_target(args.model)
@@ -187,26 +207,35 @@ def train(
         if args.resume
         else LoopState()
     )
+    if size > 1:
+        _say(args, f"data parallel over {size} processes")
+    if rank > 0:  # rank 0 builds the store
+        _all_sum(0, group)
     teacher = _teacher(
         args, target, target_path, sequences, data_hashes, draft_ids,
         stage("teacher store"),
     )  # fmt: skip
+    if rank == 0 and size > 1:
+        _all_sum(0, group)
 
     def save(state: LoopState) -> None:
-        save_checkpoint(ckpt, drafter, optimizer, _snapshot(identity, state))
+        if rank == 0:
+            save_checkpoint(ckpt, drafter, optimizer, _snapshot(identity, state))
 
     make = partial(_make_batch, args, sequences, mask_token_id, vocab)
-    next_batch = _batches(args, train_ids, per_epoch, make)
+    next_batch = _batches(args, train_ids, per_epoch, make, rank, size)
     validate = (
         make_validation(drafter, teacher, _validation_batches(args, val_ids, make))
-        if val_ids
+        if val_ids and rank == 0
         else None
     )
+    parallel = group if size > 1 else None
     status, final = optimise(
-        make_step(drafter, optimizer, args.grad_clip), next_batch, teacher, state,
-        total, log_every=args.log_every, checkpoint_every=args.checkpoint_every,
-        save=save, should_stop=should_stop, progress=stage("training"),
-        validate=validate, validate_every=args.val_every,
+        make_step(drafter, optimizer, args.grad_clip, group=parallel), next_batch,
+        teacher, state, total, log_every=args.log_every,
+        checkpoint_every=args.checkpoint_every, save=save, should_stop=should_stop,
+        progress=stage("training"), validate=validate, validate_every=args.val_every,
+        agree=None if parallel is None else lambda stop: _all_sum(stop, group) > 0,
     )  # fmt: skip
     save(state)
     if status == "interrupted":
@@ -218,8 +247,10 @@ def train(
             ckpt,
         )
         return TrainResult(status, None, ckpt, state.step, final, state.history)
+    if rank > 0:
+        return TrainResult(status, None, ckpt, state.step, final, state.history)
     record = _record(args, target_path, layer_ids, mask_token_id, inputs, data_hashes,
-                     report, vocab, state, per_epoch, final)  # fmt: skip
+                     report, vocab, state, per_epoch, final, size)  # fmt: skip
     if out.exists() and args.force:
         shutil.rmtree(out)
     quantize = (
@@ -421,16 +452,22 @@ def _batches(
     train_ids: list[int],
     per_epoch: int,
     make: Callable[[list[int], np.random.Generator], Batch],
+    rank: int = 0,
+    size: int = 1,
 ) -> Callable[[int], tuple[list[int], Batch]]:
     """Step -> (sequence indices, batch): epochs in a seeded order, anchors
-    seeded by the step, so that a resumed run sees the same batches."""
+    seeded by the step, so that a resumed run sees the same batches. With
+    ``size`` processes, rank ``rank``'s share of them."""
 
     def next_batch(step: int) -> tuple[list[int], Batch]:
         epoch, position = divmod(step, per_epoch)
         order = np.random.default_rng([args.seed, epoch]).permutation(train_ids)
         chunk = order[position * args.batch_size : (position + 1) * args.batch_size]
         indices = [int(i) for i in chunk]
-        return indices, make(indices, np.random.default_rng([args.seed, 1, step]))
+        batch = make(indices, np.random.default_rng([args.seed, 1, step]))
+        if size == 1:
+            return indices, batch
+        return indices[rank::size], shard(batch, rank, size)
 
     return next_batch
 
@@ -451,9 +488,15 @@ def _validation_batches(
     ]
 
 
+def _all_sum(value: int, group: mx.distributed.Group) -> int:
+    """The sum over the processes of ``value``; waits for all of them."""
+    total = mx.distributed.all_sum(mx.array(int(value)), group=group, stream=mx.cpu)
+    return int(total.item())
+
+
 def _record(
     args, target_path, layer_ids, mask_token_id, inputs, data_hashes, report,
-    vocab, state: LoopState, per_epoch: int, final: dict,
+    vocab, state: LoopState, per_epoch: int, final: dict, processes: int,
 ) -> dict:  # fmt: skip
     """``training_record.json``: arguments, data, throughput, metrics."""
     return {
@@ -462,7 +505,7 @@ def _record(
         "mask_token_id": mask_token_id, "inputs": inputs, "data": data_hashes,
         "data_report": report.to_dict(),
         "draft_vocab_label_coverage": None if vocab is None else vocab.coverage,
-        "steps": state.step, "steps_per_epoch": per_epoch,
+        "steps": state.step, "steps_per_epoch": per_epoch, "processes": processes,
         "train_time_s": state.train_time_s, "block_positions": state.block_positions,
         "block_positions_per_s": state.positions_per_s, "final_metrics": final,
         "history_columns": ["step", *METRICS], "history": state.history,

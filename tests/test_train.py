@@ -31,7 +31,7 @@ from mlx_dspark.train import (
     train,
     training_hidden,
 )
-from mlx_dspark.training.batches import make_batch
+from mlx_dspark.training.batches import make_batch, shard
 from mlx_dspark.training.loss import draft_logits, loss_terms
 from mlx_dspark.training.teacher import OnlineTeacher, TeacherStore
 from mlx_dspark.training.trainer import make_step, schedule
@@ -630,3 +630,64 @@ def test_validation_sequences_are_held_out_and_measured(setup, monkeypatch):
     assert rows[-1][2] < rows[0][2]  # held-out loss falls
     with pytest.raises(DSparkError, match="leaves no training data"):
         train(base_args(setup, "none_left", val_sequences=24))
+
+
+def test_shards_average_to_the_whole_batch(setup):
+    """Data parallelism: the mean over ranks of each shard's loss, metrics and
+    gradients is the whole batch's."""
+    _, _, model, tokenizer, data = setup
+    sequences, _ = load_sequences([data], tokenizer, 64)
+    drafter, target, _ = _tiny_drafter(model)
+    teacher = OnlineTeacher(target, None)
+    chosen = [0, 1, 2, 3, 4]
+    batch = make_batch(
+        [sequences[j] for j in chosen], 8, 5, 31, 4.0, np.random.default_rng(0)
+    )
+    loss_and_grad = nn.value_and_grad(drafter, loss_terms)
+
+    def run(indices, part):
+        (loss, terms), grads = loss_and_grad(drafter, *teacher(indices, part), part)
+        return [loss, *terms], dict(tree_flatten(grads))
+
+    whole_metrics, whole_grads = run(chosen, batch)
+    shards = [run(chosen[r::2], shard(batch, r, 2)) for r in range(2)]
+    assert shard(batch, 1, 2).supervised == batch.supervised  # the step's count
+    for i, value in enumerate(whole_metrics):
+        mean = (shards[0][0][i] + shards[1][0][i]) / 2
+        assert mx.allclose(mean, value, rtol=1e-5, atol=1e-6).item(), i
+    for name, grad in whole_grads.items():
+        mean = (shards[0][1][name] + shards[1][1][name]) / 2
+        assert mx.allclose(mean, grad, rtol=1e-4, atol=1e-6).item(), name
+    assert not mx.allclose(shards[0][0][0], whole_metrics[0]).item()
+
+
+def test_data_parallel_training_equals_one_process(setup, tmp_path):
+    """``mlx.launch`` with two processes trains the drafter one process
+    trains: each rank takes half of every step, gradients averaged."""
+    _, target_dir, _, _, data = setup
+    one = train(base_args(setup, str(tmp_path / "one"), steps=6))
+    flags = [
+        "--model", str(target_dir), "--data", str(data), "--out", str(tmp_path / "two"),
+        "--steps", "6", "--batch-size", "4", "--anchors", "16", "--seq-len", "64",
+        "--layers", "1", "--markov-rank", "16", "--lr", "3e-3", "--dtype", "float32",
+        "--log-every", "5", "--quiet",
+    ]  # fmt: skip
+    launch = Path(sys.executable).with_name("mlx.launch")
+    port = str(20000 + os.getpid() % 20000)
+    subprocess.run(
+        [str(launch), "-n", "2", "--backend", "ring", "--starting-port", port,
+         sys.executable, "-m", "mlx_dspark.train", *flags],
+        check=True, timeout=600, capture_output=True,
+        env={**os.environ, "OPENBLAS_NUM_THREADS": "1"},
+    )  # fmt: skip
+    record = json.loads((tmp_path / "two" / "training_record.json").read_text())
+    assert record["processes"] == 2 and record["steps"] == 6
+    assert (
+        record["block_positions"]
+        == json.loads((one.out / "training_record.json").read_text())["block_positions"]
+    )
+    a = mx.load(str(one.out / "model.safetensors"))
+    b = mx.load(str(tmp_path / "two" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for name in a:
+        assert mx.allclose(a[name], b[name], rtol=1e-3, atol=1e-4).item(), name

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import mlx.core as mx
 import numpy as np
@@ -22,6 +22,29 @@ class Batch:
     valid: mx.array  # [N, A, B] eval mask
     positions: mx.array  # [N, A, B] target rows predicting the labels
     supervised: int  # block positions with a label (valid.sum())
+    # One rank's share of a step (:func:`shard`): the loss denominators
+    # (weight sum, block count) of the whole step, divided by the ranks.
+    denominators: mx.array | None = None
+
+    def arrays(self) -> list[mx.array]:
+        """The per-sequence arrays, in field order."""
+        scalars = ("supervised", "denominators")
+        return [getattr(self, f.name) for f in fields(self) if f.name not in scalars]
+
+
+def shard(batch: Batch, rank: int, size: int) -> Batch:
+    """Rank ``rank``'s share of a step's batch: every ``size``-th sequence.
+
+    Its loss is normalised by the whole batch's weight sum and block count
+    divided by ``size``, so the mean of the ranks' losses (and gradients) is
+    the whole batch's. ``supervised`` stays the whole step's count, which is
+    what the loop reports as throughput.
+    """
+    arrays = [a[rank::size] for a in batch.arrays()]
+    denominators = mx.array(
+        [batch.weights.sum().item(), batch.valid[..., 0].sum().item()]
+    )
+    return Batch(*arrays, batch.supervised, denominators / size)
 
 
 def sample_anchors(

@@ -52,6 +52,8 @@ def loss_terms(
     ``target_p`` ``[N * A, B, V]`` is the target's distribution over the
     drafter's output vocabulary at each block position and ``outside``
     ``[N * A, B]`` its mass outside that vocabulary (zero for a full one).
+    A rank's share of a step (``batch.denominators``) is normalised by the
+    whole step's weight sum and block count.
     """
     hidden = training_hidden(drafter, features, batch.anchors, batch.blocks)
     NA, B, _ = hidden.shape
@@ -60,7 +62,11 @@ def loss_terms(
     q = mx.softmax(logits, axis=-1, precise=True)  # the one exp pass over V
     weights = batch.weights.reshape(NA, B)
     valid = batch.valid.reshape(NA, B).astype(mx.float32)
-    total = mx.maximum(weights.sum(), 1e-6)
+    if batch.denominators is None:
+        total, blocks_total = weights.sum(), valid[:, 0].sum()
+    else:
+        total, blocks_total = batch.denominators[0], batch.denominators[1]
+    total = mx.maximum(total, 1e-6)
     labels = batch.labels.reshape(NA, B, 1)
     label_q = mx.take_along_axis(q, labels, axis=-1).squeeze(-1)
     ce = -mx.log(mx.maximum(label_q, 1e-30)) * batch.in_vocab.reshape(NA, B)
@@ -78,5 +84,5 @@ def loss_terms(
         conf_loss = mx.array(0.0)
     blocks = valid[:, 0]
     expected = mx.cumprod(accept * valid, axis=-1).sum(axis=-1) + 1.0
-    tau = (expected * blocks).sum() / mx.maximum(blocks.sum(), 1.0)
+    tau = (expected * blocks).sum() / mx.maximum(blocks_total, 1e-6)
     return loss, (ce_loss, l1_loss, conf_loss, tau)

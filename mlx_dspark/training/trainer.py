@@ -6,12 +6,13 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
+from mlx.nn.utils import average_gradients
 
 from ..drafter import DSparkDrafter
 from .batches import Batch
@@ -51,21 +52,30 @@ def make_step(
     optimizer: optim.Optimizer,
     grad_clip: float,
     compiled: bool = True,
+    group: mx.distributed.Group | None = None,
 ) -> Callable[[mx.array, mx.array, mx.array, Batch], list[float]]:
     """One update from a batch and its teacher; returns the metrics.
 
     ``compiled`` traces the whole update (forward, backward, clip, AdamW) into
     one graph per batch shape with ``mx.compile``, the drafter's and the
     optimizer's state as its inputs and outputs, as mlx-lm's trainer does; it
-    computes the same update as the eager one.
+    computes the same update as the eager one. With a ``group`` of processes
+    each trains on its share of the step (:func:`~.batches.shard`); their
+    gradients and metrics are averaged, so every rank makes the same update.
     """
     loss_and_grad = nn.value_and_grad(drafter, loss_terms)
 
-    def update(features, target_p, outside, *arrays):
-        batch = Batch(*arrays, supervised=0)
+    def update(features, target_p, outside, denominators, *arrays):
+        batch = Batch(*arrays, supervised=0, denominators=denominators)
         (loss, terms), grads = loss_and_grad(
             drafter, features, target_p, outside, batch
         )
+        if group is not None:
+            grads = average_gradients(grads, group)
+            size = group.size()
+            loss, *terms = (
+                mx.distributed.all_sum(m, group=group) / size for m in (loss, *terms)
+            )
         if grad_clip > 0:
             grads, _ = optim.clip_grad_norm(grads, grad_clip)
         optimizer.update(drafter, grads)
@@ -79,8 +89,9 @@ def make_step(
     def step(
         features: mx.array, target_p: mx.array, outside: mx.array, batch: Batch
     ) -> list[float]:
-        arrays = [getattr(batch, f.name) for f in fields(Batch)][:-1]
-        metrics = update(features, target_p, outside, *arrays)
+        metrics = update(
+            features, target_p, outside, batch.denominators, *batch.arrays()
+        )
         mx.eval(drafter.parameters(), optimizer.state, metrics)
         return [m.item() for m in metrics]
 
@@ -118,12 +129,14 @@ def optimise(
     progress: Callable[[int, int, str], None] | None = None,
     validate: Callable[[], list[float]] | None = None,
     validate_every: int = 50,
+    agree: Callable[[bool], bool] | None = None,
 ) -> tuple[str, dict]:
     """Run steps ``state.step .. total``; returns the status ("done" or
     "interrupted") and the mean metrics over the last tenth of the steps.
     ``progress(step, total, metrics)`` follows every step; ``validate()``
     runs every ``validate_every`` steps and at the end, outside the timed
-    steps, into ``state.validation``."""
+    steps, into ``state.validation``. ``agree(stop)`` tells data-parallel
+    processes whether any of them stops, so that all stop at one step."""
     running = None
     recent: list[list[float]] = []
     status = "done"
@@ -160,7 +173,12 @@ def optimise(
             if checkpoint_every and state.step % checkpoint_every == 0:
                 if state.step < total:
                     save(state)
-            if stop.requested or (should_stop is not None and should_stop(state.step)):
+            stopping = stop.requested or (
+                should_stop is not None and should_stop(state.step)
+            )
+            if agree is not None:
+                stopping = agree(stopping)
+            if stopping:
                 if state.step < total:
                     status = "interrupted"
                     break
