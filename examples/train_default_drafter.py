@@ -26,7 +26,7 @@ Steps (each is skipped when its output already exists, so a rerun resumes):
    uses the shards that exist. ``--data-only`` stops after this step.
 4. ``mlx_dspark.train`` on the target's answers (flags below: 1 layer started
    from the target's top layer, vanilla TSH rank 64, block 7, a 4096-token
-   draft vocabulary, up to 160 anchors an answer, four answers a step, the
+   draft vocabulary, 64 anchors an answer, ten answers a step, the
    target's features and distributions computed once into a teacher store),
    written 4-bit; then ``mlx_dspark.calibrate`` on
    held-out prompts writes the STS calibration. The plain text only seeds the
@@ -35,7 +35,7 @@ Steps (each is skipped when its output already exists, so a rerun resumes):
 6. ``--ablation`` also trains the vanilla, gated, rnn and no-TSH heads with one
    smaller budget (``ABLATION_STEPS``) and measures them on the held-out sets.
 7. ``--sweep`` (instead of steps 3-6, on the answers already regenerated)
-   trains the ``SWEEP`` variants of the recipe (learning rate, anchors x
+   trains the ``SWEEP`` variants of the previous recipe (learning rate, anchors x
    answers per step, initialisation, layers) for
    ``SWEEP_STEPS`` steps each, prints their held-out tau against training time
    and plots it (``sweep.png`` in the work directory).
@@ -84,7 +84,6 @@ COMMON_FLAGS = [
     "--block-size", "7",
     "--draft-vocab", "4096",
     "--seq-len", str(SEQ_LEN),
-    "--anchors", "160",
     "--init-from-target",
     "--dtype", "float32",
     "--quantize-bits", "4",
@@ -92,12 +91,13 @@ COMMON_FLAGS = [
     "--log-every", "5",
     "--seed", "0",
 ]  # fmt: skip
-# Four answers a step, every answer position an anchor (160 covers them), about
-# two and a quarter epochs from a teacher store (one target pass over the data,
-# then steps never run the target); 24 answers held out as a validation curve.
-TRAIN_FLAGS = [*COMMON_FLAGS, "--markov-head", "vanilla", "--batch-size", "4",
-               "--steps", "560", "--lr", "1.5e-3", "--val-sequences", "24",
-               "--val-every", "80"]  # fmt: skip
+# Ten answers a step, 64 anchors each (the sweep's fastest riser: most
+# answers are shorter than 160 tokens, so 64 anchors leave fewer slots empty),
+# about eight epochs from a teacher store (one target pass over the data, then
+# steps never run the target); 24 answers held out as a validation curve.
+TRAIN_FLAGS = [*COMMON_FLAGS, "--markov-head", "vanilla", "--batch-size", "10",
+               "--anchors", "64", "--steps", "800", "--lr", "1.5e-3",
+               "--val-sequences", "24", "--val-every", "100"]  # fmt: skip
 CALIBRATE_FLAGS = ["--rounds", "200", "--max-tokens", "64"]
 # Calibration prompts, none of them from the training templates.
 CALIBRATION_PROMPTS = (
@@ -117,12 +117,15 @@ CALIBRATION_PROMPTS = (
 # Never trained on: the evaluation and calibration questions.
 HELD_OUT_PROMPTS = (*HELD_OUT_CHAT, *CALIBRATION_PROMPTS)
 ABLATION_STEPS, ABLATION_BATCH = 40, 4
-# ``--sweep``: each variant changes the recipe's training flags in one way and
+# ``--sweep``: each variant changes the previous recipe (SWEEP_BASE: 4 answers
+# x 160 anchors a step) in one way and
 # trains SWEEP_STEPS steps from scratch on the same teacher store, two at a
 # time with one BLAS thread each (two single-threaded runs side by side do
 # more work on 2 cores than one run with both), measuring the same 24
 # held-out answers every 20 steps.
 SWEEP_STEPS = 100
+SWEEP_BASE = [*COMMON_FLAGS, "--markov-head", "vanilla", "--batch-size", "4",
+              "--anchors", "160", "--lr", "1.5e-3", "--val-sequences", "24"]  # fmt: skip
 SWEEP = {
     "base": [],
     "lr3e-3": ["--lr", "3e-3"],
@@ -416,7 +419,7 @@ def ablation(work: Path, target: Path, files: list[Path], env: dict) -> None:
     """The four sequential heads with one budget, then held-out acceptance."""
     cache = ["--teacher-store", str(work / "teacher"), "--lr", "1e-3"]
     for head in ("vanilla", "gated", "rnn", "none"):
-        flags = [*COMMON_FLAGS, *cache, "--markov-head", head,
+        flags = [*COMMON_FLAGS, *cache, "--markov-head", head, "--anchors", "160",
                  "--batch-size", str(ABLATION_BATCH), "--steps", str(ABLATION_STEPS)]  # fmt: skip
         train(target, files, work / f"ablation-{head}", flags, env)
     for head in ("vanilla", "gated", "rnn", "none"):
@@ -430,7 +433,7 @@ def sweep(work: Path, target: Path, files: list[Path], env: dict) -> None:
     """Train every SWEEP variant (two side by side), then print their
     held-out tau against training time and plot the curves."""
     store = ["--teacher-store", str(work / "teacher")]
-    base = [*TRAIN_FLAGS, *store, "--steps", str(SWEEP_STEPS), "--val-every", "20"]
+    base = [*SWEEP_BASE, *store, "--steps", str(SWEEP_STEPS), "--val-every", "20"]
     single = {**env, "OPENBLAS_NUM_THREADS": "1"}
     names = list(SWEEP)
     for pair in zip(names[::2], names[1::2], strict=False):

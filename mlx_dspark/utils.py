@@ -19,12 +19,20 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+def umask() -> int:
+    """The process's file-mode creation mask."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_atomic(path: str | Path, write: Callable[[Path], None]) -> None:
     """Let ``write(tmp)`` fill a temporary file beside ``path``, then rename it
     over ``path``: readers see the old file or the whole new one, never a part.
 
     The temporary name keeps ``path``'s suffix (writers such as matplotlib
-    pick the format from it); it is removed if ``write`` fails.
+    pick the format from it); it is removed if ``write`` fails. The file gets
+    the mode a plain ``open(path, "w")`` gives (mkstemp's is 0600).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -34,6 +42,7 @@ def write_atomic(path: str | Path, write: Callable[[Path], None]) -> None:
     os.close(fd)
     try:
         write(Path(tmp))
+        os.chmod(tmp, 0o666 & ~umask())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

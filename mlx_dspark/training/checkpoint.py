@@ -17,6 +17,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ..drafter import DSparkDrafter
 from ..errors import DSparkError
 from ..target import TargetAdapter
+from ..utils import umask
 from .model import dense_weight, head_weight
 
 # 2: the teacher store replaced the feature cache (identity keys changed).
@@ -27,16 +28,10 @@ def checkpoint_path(out: Path) -> Path:
     return out.with_name(out.name + ".checkpoint")
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def write_dir_atomically(final: Path, write: Callable[[Path], None]) -> None:
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
-    staging.chmod(0o777 & ~_umask())  # mkdtemp's 0700, as mkdir would have made it
+    staging.chmod(0o777 & ~umask())  # mkdtemp's 0700, as mkdir would have made it
     try:
         write(staging)
         old = None
