@@ -578,16 +578,15 @@ class TargetAdapter:
         per request; with ``last_only`` (a prefill) the logits are only the
         last token's, ``[1, 1, V]``.
         """
-        lengths = [len(t) for t in tokens]
-        if len(caches) != len(lengths) or min(lengths, default=0) < 1:
-            raise ValueError("one non-empty token list per cache is required")
-        width = max(lengths)
+        if len(caches) != len(tokens):
+            raise ValueError("one token list per cache is required")
+        lengths, padded = _right_padded(tokens)
+        width = padded.shape[1]
         offsets = [c[0].offset for c in caches]
         batch_cache = [
             _batch_cache([_past(cache[layer]) for cache in caches], offsets, width)
             for layer in range(len(caches[0]))
         ]
-        padded = mx.array([list(t) + [0] * (width - len(t)) for t in tokens])
         hidden, features = self.hidden(padded, batch_cache)
         if last_only:
             last = hidden[mx.arange(len(lengths)), mx.array(lengths) - 1]
@@ -615,15 +614,13 @@ class TargetAdapter:
         batch = rows[0].batch
         if list(rows) != batch.rows:
             raise ValueError("tokens are required for every row, in the batch's order")
+        if len(tokens) != len(rows):
+            raise ValueError("one token list per row is required")
         batch.settle()
-        lengths = [len(t) for t in tokens]
-        if len(lengths) != len(rows) or min(lengths) < 1:
-            raise ValueError("one non-empty token list per row is required")
-        width = max(lengths)
-        padded = mx.array([list(t) + [0] * (width - len(t)) for t in tokens])
+        lengths, padded = _right_padded(tokens)
         hidden, features = self.hidden(padded, batch.layers)
         logits = self.lm_head(hidden)
-        batch.rejected = [width - n for n in lengths]
+        batch.rejected = [padded.shape[1] - n for n in lengths]
         return [
             (
                 logits[r : r + 1, :n],
@@ -631,6 +628,15 @@ class TargetAdapter:
             )
             for r, n in enumerate(lengths)
         ]
+
+
+def _right_padded(tokens: Sequence[Sequence[int]]) -> tuple[list[int], mx.array]:
+    """Each list's length, and the lists right-padded to the longest."""
+    lengths = [len(t) for t in tokens]
+    if min(lengths, default=0) < 1:
+        raise ValueError("every token list must be non-empty")
+    width = max(lengths)
+    return lengths, mx.array([list(t) + [0] * (width - len(t)) for t in tokens])
 
 
 def _batch_cache(

@@ -73,9 +73,8 @@ def make_step(
         if group is not None:
             grads = average_gradients(grads, group)
             size = group.size()
-            loss, *terms = (
-                mx.distributed.all_sum(m, group=group) / size for m in (loss, *terms)
-            )
+            metrics = mx.distributed.all_sum(mx.stack([loss, *terms]), group=group)
+            loss, *terms = metrics / size
         if grad_clip > 0:
             grads, _ = optim.clip_grad_norm(grads, grad_clip)
         optimizer.update(drafter, grads)
