@@ -98,8 +98,11 @@ COMMON_FLAGS = [
 TRAIN_FLAGS = [*COMMON_FLAGS, "--markov-head", "vanilla", "--batch-size", "10",
                "--anchors", "64", "--steps", "800", "--lr", "1.5e-3",
                "--val-sequences", "24", "--val-every", "100"]  # fmt: skip
-CALIBRATE_FLAGS = ["--rounds", "200", "--max-tokens", "64"]
-# Calibration prompts, none of them from the training templates.
+# 34 rounds from each of the 36 prompts: STS fitted on two thirds of them and
+# reported on the others (``mlx_dspark.calibrate``).
+CALIBRATE_FLAGS = ["--rounds", "1224", "--max-tokens", "96"]
+# Calibration prompts, none of them from the training templates (checked with
+# ``drafter_prompts.near_duplicates`` against the committed prompt list).
 CALIBRATION_PROMPTS = (
     "What should I pack for a weekend trip to the mountains?",
     "Describe how a refrigerator keeps food cold.",
@@ -113,6 +116,30 @@ CALIBRATION_PROMPTS = (
     "What does the Python keyword yield do? Give an example.",
     "How do I read a text file line by line in Python?",
     "Explain what a hash table is and why lookups are fast.",
+    "How do I keep basil alive on a windowsill?",
+    "Plan a three-day itinerary for a first visit to Lisbon.",
+    "What causes hiccups, and how can I stop them?",
+    "Write a short bedtime story about a lighthouse keeper and a seal.",
+    "My bike chain keeps slipping. What should I check?",
+    "Explain compound interest with a small worked example.",
+    "Suggest five names for a bakery that sells sourdough bread.",
+    "How should I prepare for a job interview at a small startup?",
+    "What is the difference between baking soda and baking powder?",
+    "Draft a short note to my team about moving our weekly call to Thursday.",
+    "Why do onions make people cry when they are cut?",
+    "Give me a ten-minute stretching routine for after running.",
+    "Write a Python generator that yields the lines of a file that contain a given word.",
+    "How do I remove duplicate entries from a list in Python while keeping their order?",
+    "Explain the difference between a list and a tuple in Python.",
+    "Write a SQL query that finds the five customers with the largest total orders.",
+    "What does git rebase do, and when should I avoid it?",
+    "Write a shell command that counts the lines in every .txt file in a folder.",
+    "Explain recursion to someone who has just started programming.",
+    "Write a Python script that prints the current date in ISO format.",
+    "If a shirt costs 24 dollars after a 20 percent discount, what was the original price?",
+    "A rectangle has a perimeter of 30 cm and is twice as long as it is wide. How long are its sides?",
+    "Convert 72 degrees Fahrenheit to Celsius and explain the formula.",
+    "What is the probability of rolling two sixes with two dice?",
 )
 # Never trained on: the evaluation and calibration questions.
 HELD_OUT_PROMPTS = (*HELD_OUT_CHAT, *CALIBRATION_PROMPTS)

@@ -145,19 +145,27 @@ def collect_records(
     max_tokens: int = 128,
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
-) -> list[CalibrationRecord]:
-    """Full-block rounds over the prompts (cycling with new seeds) until
-    ``rounds`` rounds are recorded; ``progress(recorded, rounds)`` follows
-    every prompt."""
+) -> tuple[list[CalibrationRecord], list[int]]:
+    """Full-block rounds spread over the prompts, and each round's prompt.
+
+    A visit to a prompt records at most ``ceil(rounds / len(prompts))``
+    rounds, and the prompts are visited in turn (again with new seeds) until
+    ``rounds`` are recorded, so every prompt weighs alike rather than the
+    first few filling the count. ``progress(recorded, rounds)`` follows every
+    visit.
+    """
     target = TargetAdapter(model, drafter.config.target_layer_ids)
     settings = calibration_settings(drafter)
     policy = RecordingPolicy()
+    per_visit = -(-rounds // len(prompts))
+    groups: list[int] = []
     attempt = 0
     while len(policy.records) < rounds:
-        prompt = prompts[attempt % len(prompts)]
+        index = attempt % len(prompts)
         before = len(policy.records)
+        budget = min(per_visit, rounds - before)
         for _ in speculative_generate_step(
-            mx.array(prompt),
+            mx.array(prompts[index]),
             target,
             drafter,
             params=params,
@@ -167,31 +175,34 @@ def collect_records(
             mode=settings.make_mode(),
             seed=seed + attempt,
         ):
-            if len(policy.records) >= rounds:
+            if len(policy.records) - before >= budget:
                 break
+        groups += [index] * (len(policy.records) - before)
         if progress is not None:
             progress(min(len(policy.records), rounds), rounds)
         attempt += 1
-        if attempt >= len(prompts) and len(policy.records) == before:
+        if attempt >= len(prompts) and not policy.records:
             raise DSparkError(
                 "The drafter produced no confidence scores; it has no "
                 "confidence head to calibrate."
             )
-    return policy.records[:rounds]
+    return policy.records[:rounds], groups[:rounds]
 
 
 def fit_records(
-    records: list[CalibrationRecord], n_positions: int, holdout: float = 0.3
+    records: list[CalibrationRecord], groups: list[int], n_positions: int
 ) -> CalibrationResult:
-    """Fit STS on the first rounds, report before/after on the held-out rest
-    (on all rounds when there are too few to split)."""
+    """Fit STS on two thirds of the prompts (by index) and report before/after
+    on the rounds of the other third, prompts the temperatures never saw; on
+    all rounds when there are fewer than 40 or fewer than 3 prompts."""
     logits, survived, valid = records_to_arrays(records, n_positions)
-    n_fit = len(records)
-    if len(records) >= 40:
-        n_fit = int(round(len(records) * (1 - holdout)))
-    temps = fit_sts(logits[:n_fit], survived[:n_fit], valid=valid[:n_fit])
-    rest = slice(n_fit, None) if n_fit < len(records) else slice(None)
-    return evaluate(logits[rest], survived[rest], temps, valid=valid[rest])
+    held = np.array([g % 3 == 2 for g in groups])
+    if len(records) < 40 or len(set(groups)) < 3:
+        held[:] = False
+    fit = ~held
+    temps = fit_sts(logits[fit], survived[fit], valid=valid[fit])
+    report = held if held.any() else fit
+    return evaluate(logits[report], survived[report], temps, valid=valid[report])
 
 
 def calibrate_pair(
@@ -211,10 +222,10 @@ def calibrate_pair(
     if rounds < 1:
         raise DSparkError(f"--rounds must be at least 1, got {rounds}.")
     encoded = encode_prompts(tokenizer, prompts or BUILTIN_PROMPTS)
-    records = collect_records(
+    records, groups = collect_records(
         model, drafter, encoded, rounds, params, max_tokens, seed, progress
     )
-    result = fit_records(records, drafter.block_size)
+    result = fit_records(records, groups, drafter.block_size)
     path = Path(out) if out is not None else default_output(model, drafter)
     try:
         write_atomic(path, result.save)

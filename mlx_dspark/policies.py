@@ -109,12 +109,22 @@ class SchedulerPolicy(_Recording):
     The first ``settings.warmup_steps`` rounds verify the whole cap (decided
     before drafting, so lossless); after that, ``schedule`` decides. At least
     ``settings.n_draft_min`` drafts are verified when the cap allows.
+
+    A calibration fitted on other prompts can be off by a constant on this
+    text (a temperature cannot remove a bias), so each position's survival is
+    scaled by the ratio of drafts accepted there to the survival predicted for
+    them, over past verified drafts (decaying by ``decay`` a round; a prior of
+    ``prior_weight`` drafts at ratio 1). From past rounds only: lossless.
     """
 
     curve: StepRateCurve | None = None
     settings: SchedulerSettings = field(default_factory=SchedulerSettings)
     guard: MemoryGuard | None = None
     rounds_seen: int = 0
+    decay: float = 0.98
+    prior_weight: float = 4.0
+    predicted: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    accepted: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     def __post_init__(self) -> None:
         if self.curve is None:
@@ -127,7 +137,14 @@ class SchedulerPolicy(_Recording):
 
     def survival(self, proposal: Proposal, cap: int, row: int = 0) -> np.ndarray:
         z = _raw_confidence(proposal, cap, row)
-        return np.ones(0) if z is None else calibrated_survival(z, self.temperatures)
+        if z is None:
+            return np.ones(0)
+        survival = calibrated_survival(z, self.temperatures)
+        n = min(survival.size, self.predicted.size)
+        w = self.prior_weight
+        ratio = np.ones(survival.size)
+        ratio[:n] = (self.accepted[:n] + w) / (self.predicted[:n] + w)
+        return np.minimum.accumulate(np.minimum(survival * ratio, 1.0))
 
     def draft_lengths(
         self, proposals: Sequence[Proposal], caps: Sequence[int]
@@ -149,6 +166,18 @@ class SchedulerPolicy(_Recording):
     def observe(self, proposal: Proposal, round_stats: RoundStats) -> None:
         super().observe(proposal, round_stats)
         self.rounds_seen += 1
+        z = _raw_confidence(proposal, round_stats.verified)
+        if z is None:
+            return
+        survival = calibrated_survival(z, self.temperatures)
+        if survival.size > self.predicted.size:
+            grow = survival.size - self.predicted.size
+            self.predicted = np.concatenate([self.predicted, np.zeros(grow)])
+            self.accepted = np.concatenate([self.accepted, np.zeros(grow)])
+        self.predicted *= self.decay
+        self.accepted *= self.decay
+        self.predicted[: survival.size] += survival
+        self.accepted[: round_stats.accepted] += 1.0
 
 
 def mean_ece(ece: Sequence[float]) -> float:

@@ -129,6 +129,33 @@ def test_calibration_cuts_inside_a_drafted_block():
     assert AdaptivePolicy().draft_length(doubtful, 4) == 4  # no calibration
 
 
+def test_scheduler_corrects_an_overconfident_calibration():
+    """Algorithm 1 reads the calibrated survival scaled by what was accepted:
+    a head that promises every draft while only the first is kept ends up
+    verifying one draft, and one that is right keeps full blocks."""
+    from mlx_dspark.policies import SchedulerPolicy
+    from mlx_dspark.scheduler import SchedulerSettings
+
+    confident = Proposal(mx.zeros((1, 4), mx.int32), None, mx.array([[4.0] * 4]))
+    settings = SchedulerSettings(warmup_steps=0, n_draft_min=0)
+    curve = StepRateCurve.linear(1.0, 0.15)
+
+    def after(accepted: int) -> SchedulerPolicy:
+        policy = SchedulerPolicy(None, curve=curve, settings=settings)
+        assert policy.draft_length(confident, 4) == 4  # before any round
+        for _ in range(40):
+            n = policy.draft_length(confident, 4)
+            policy.observe(confident, RoundStats(4, n, min(accepted, n)))
+        return policy
+
+    assert after(4).draft_length(confident, 4) == 4
+    overconfident = after(1)
+    assert overconfident.draft_length(confident, 4) == 1
+    survival = overconfident.survival(confident, 4)
+    assert survival[0] > 0.9 and survival[1] < 0.5
+    assert np.all(np.diff(survival) <= 0)
+
+
 def test_a_later_generation_remembers_what_was_measured():
     policy = AdaptivePolicy()
     play(policy, 40, lambda n: 0)

@@ -18,8 +18,10 @@ from mlx_dspark import stream_generate
 from mlx_dspark.calibrate import (
     CALIBRATION_FILE,
     cached_calibration_path,
+    collect_records,
     default_output,
     find_calibration,
+    fit_records,
 )
 from mlx_dspark.loading import load, load_drafter
 from mlx_dspark.loop import ThresholdPolicy, speculative_generate_step
@@ -377,6 +379,21 @@ def _private_pair(pair_factory, tmp_path, **fields):
     shutil.copytree(target_dir, tmp_path / "target")
     shutil.copytree(drafter_dir, tmp_path / "drafter")
     return tmp_path / "target", tmp_path / "drafter"
+
+
+def test_calibration_rounds_spread_over_prompts(pair_factory):
+    """Every prompt gives its share of the rounds, and the figures come from
+    prompts the temperatures were not fitted on."""
+    model, _, drafter, *_ = pair_factory(block_size=4)
+    prompts = [*PROMPTS, [7, 8, 9], [3, 3, 4, 5], [30, 2, 8]]
+    records, groups = collect_records(model, drafter, prompts, 60, max_tokens=96)
+    assert len(records) == len(groups) == 60
+    assert sorted(set(groups)) == list(range(6))
+    assert max(groups.count(i) for i in range(6)) <= 10
+    result = fit_records(records, groups, drafter.block_size)
+    assert result.n_rounds == sum(g % 3 == 2 for g in groups) < 60
+    few = fit_records(records[:30], groups[:30], drafter.block_size)
+    assert few.n_rounds == 30  # too few rounds to hold any out
 
 
 def test_calibrate_cli_end_to_end(pair_factory, tmp_path, capsys):

@@ -529,8 +529,23 @@ def test_monotone_cost():
 
 def test_draft_gate():
     """Steps draft only when drafting was measured faster for that many
-    requests, probe again, and follow the measurements."""
+    requests (or the nearest size measured), probe the other way, and follow
+    the measurements."""
     from mlx_dspark.serving.engine import DraftGate
+
+    def steps(gate, n, requests, tokens, seconds):
+        """n steps decided by the gate: drafting ones commit ``tokens`` in
+        ``seconds``, plain ones ``requests`` tokens in 0.5 s. Returns how
+        many drafted."""
+        drafted = 0
+        for _ in range(n):
+            draft = gate.should_draft(requests)
+            drafted += draft
+            if draft:
+                gate.record(requests, tokens, seconds, drafted=True)
+            else:
+                gate.record(requests, requests, 0.5, drafted=False)
+        return drafted
 
     gate = DraftGate(probe_every=3)
     assert gate.should_draft(4)  # nothing measured yet
@@ -539,20 +554,22 @@ def test_draft_gate():
     gate.record(4, tokens=4, seconds=0.5, drafted=False)
     # Drafting: 5 tokens in 1.5 s; plain: 4 tokens in 0.5 s.
     assert not gate.should_draft(4)
-    assert gate.should_draft(2)  # another batch size is measured on its own
-    gate.record(4, 4, 0.5, drafted=False)
-    gate.record(4, 4, 0.5, drafted=False)
-    assert gate.should_draft(4)  # probe after probe_every plain steps
-    gate.record(4, tokens=4, seconds=1.0, drafted=True)  # a probe that lost
-    assert gate.wait == 6  # twice as long before the next one
-    for _ in range(5):
-        gate.record(4, 4, 0.5, drafted=False)
-    assert not gate.should_draft(4)
-    gate.record(4, 4, 0.5, drafted=False)
-    assert gate.should_draft(4)
-    for _ in range(8):
-        gate.record(4, tokens=24, seconds=1.5, drafted=True)
-    # The drafting rate climbs past the plain one (16 against 8 tokens/s).
-    assert gate.should_draft(4)
+    assert not gate.should_draft(2)  # a size not measured follows the nearest
+    # Plain steps, and a probe after every wait; a losing probe doubles it.
+    assert steps(gate, 3, 4, 4, 1.0) == 1 and gate.wait == 6
+    assert steps(gate, 7, 4, 4, 1.0) == 1 and gate.wait == 12
+    # Drafting becomes faster: the next probe wins, and drafting takes over,
+    # with plain probes that lose further and further apart.
+    assert steps(gate, 30, 4, 24, 1.5) >= 10
     assert gate.rate(4, True) > gate.rate(4, False)
-    assert gate.wait == 3  # a probe that won resets the wait
+    assert steps(gate, 12, 4, 24, 1.5) >= 11 and gate.wait >= 6
+    # While it drafts, plain steps are probed too, so a slow plain
+    # measurement cannot keep drafting on after it stops paying.
+    gate.measured[(4, False)] = (4.0, 5.0)
+    steps(gate, 60, 4, 4, 1.5)
+    assert steps(gate, 20, 4, 4, 1.5) <= 3
+    gate.record(8, 8, 0.5, drafted=False)
+    gate.record(8, 12, 1.5, drafted=True)  # 8 tokens/s against 16 plain
+    assert not gate.should_draft(8)
+    assert not gate.should_draft(7)  # nearer to 8
+    assert gate.drafting_wins(5) == (gate.rate(4, True) > gate.rate(4, False))

@@ -50,7 +50,9 @@ def calibrate(
         "--prompts",
         help="Text file with one prompt per line (default: built-in chat/code/math set).",
     ),
-    rounds: int = typer.Option(300, "--rounds", help="Speculative rounds to record."),
+    rounds: int = typer.Option(
+        300, "--rounds", help="Speculative rounds to record, spread over the prompts."
+    ),
     out: Path | None = typer.Option(
         None,
         "--out",

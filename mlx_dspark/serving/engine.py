@@ -218,11 +218,16 @@ class DraftGate:
     tokens per second. Measured rather than modelled: a batched forward's
     cost depends on more than its token count (padding to the longest chain,
     re-aligning rows that kept different numbers of tokens), and drafting for
-    two requests costs more than for one. A size never measured drafts once
-    and then steps plain once. After ``wait`` plain steps in a row it drafts again, to keep the
-    estimate current; a probe slower than plain stepping doubles the wait (up
-    to ``probe_max``), a faster one resets it to ``probe_every``, so a pair
-    that never pays spends few steps finding out again. Decided before
+    two requests costs more than for one. A size not measured both ways yet
+    follows the nearest size that was (requests come and go, and each new
+    size explored blindly costs a slow step); before any size was, the gate
+    drafts once and then steps plain once.
+
+    After ``wait`` steps in a row one way, one step goes the other way (a
+    probe), so that neither estimate goes stale: one unlucky measurement must
+    not lock the gate into the slower mode. A probe slower than the steps it
+    interrupted doubles the wait (up to ``probe_max``), a faster one resets it
+    to ``probe_every``, so a settled choice costs few probes. Decided before
     drafting, from past steps only, so it never biases what is committed.
     """
 
@@ -232,8 +237,10 @@ class DraftGate:
     measured: dict[tuple[int, bool], tuple[float, float]] = field(
         default_factory=dict
     )  # (requests, drafted) -> averaged (tokens, seconds)
-    plain_steps: int = 0
-    wait: int = field(init=False)  # plain steps before the next probe
+    drafting: bool | None = None  # the way of the current run of steps
+    streak: int = 0  # steps in a row that way
+    probing: bool = False  # the step being decided is a probe
+    wait: int = field(init=False)  # steps in a row before the next probe
 
     def __post_init__(self):
         self.wait = self.probe_every
@@ -243,23 +250,34 @@ class DraftGate:
         found = self.measured.get((requests, drafted))
         return None if found is None else found[0] / max(found[1], 1e-9)
 
+    def drafting_wins(self, requests: int) -> bool | None:
+        """Whether drafting was measured faster for this many requests (or
+        the nearest size measured both ways); None before any was."""
+        both = [
+            r for r, drafted in self.measured if drafted and (r, False) in self.measured
+        ]
+        if not both:
+            return None
+        nearest = min(both, key=lambda r: (abs(r - requests), r))
+        return self.rate(nearest, True) > self.rate(nearest, False)
+
     def should_draft(self, requests: int) -> bool:
-        drafting = self.rate(requests, True)
-        if drafting is None or self.plain_steps >= self.wait:
-            return True
-        plain = self.rate(requests, False)
-        return plain is not None and drafting > plain
+        wins = self.drafting_wins(requests)
+        if wins is None:
+            return self.rate(requests, True) is None
+        self.probing = self.drafting is not None and self.streak >= self.wait
+        return not self.drafting if self.probing else wins
 
     def record(self, requests: int, tokens: int, seconds: float, drafted: bool) -> None:
-        if drafted:
-            plain = self.rate(requests, False)
-            faster = plain is None or tokens / max(seconds, 1e-9) > plain
-            self.wait = (
-                self.probe_every if faster else min(2 * self.wait, self.probe_max)
-            )
-            self.plain_steps = 0
+        if self.probing:
+            usual = self.rate(requests, not drafted)
+            won = usual is None or tokens / max(seconds, 1e-9) > usual
+            self.wait = self.probe_every if won else min(2 * self.wait, self.probe_max)
+            self.probing, self.streak = False, 0
+        elif drafted == self.drafting:
+            self.streak += 1
         else:
-            self.plain_steps += 1
+            self.drafting, self.streak = drafted, 1
         key = (requests, drafted)
         old = self.measured.get(key)
         if old is None:
