@@ -7,9 +7,13 @@ batched decoding) and ``mlx_lm.server`` with the same target -- the clients
 send ``--requests`` bounded greedy requests each over HTTP on 127.0.0.1, and
 the script reports total generated tokens per second (the median of
 ``--trials`` runs, whose order rotates) and per-request latency.
-Our two servers run in this process; ``mlx_lm.server`` runs as a child
-process, started per pair on a free port (``import mlx_dspark`` first, so it
-gets the same OpenBLAS). Each server answers one short warm-up request first.
+Every server runs as its own child process, as people run them, started once
+per pair on a free port and kept for every client count and trial (our
+``mlx_dspark.server`` twice: with its defaults and with ``--dspark-n-draft
+0``; ``mlx_lm.server`` after ``import mlx_dspark``, so it gets the same
+OpenBLAS), so the clients' threads here never share a process with a server.
+Each server answers one short warm-up request first. The mean batch (requests
+verified per target forward) comes from our servers' ``/metrics``.
 
 Every reply of our servers is checked against the first reply to the same
 prompt (greedy output is the same whatever the batch), so a lost or corrupted
@@ -129,18 +133,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_mlx_lm(target: str, port: int, log) -> subprocess.Popen:
-    """``mlx_lm.server --model target`` on 127.0.0.1:port, once /health answers."""
-    process = subprocess.Popen(
-        [sys.executable, "-c", MLX_LM_SERVER, "--model", str(target)]
-        + ["--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+def start_server(command: list[str], name: str, port: int, log) -> subprocess.Popen:
+    """``command`` (a server listening on 127.0.0.1:port), once /health answers."""
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise SystemExit(f"mlx_lm.server exited with {process.returncode}")
+            raise SystemExit(f"{name} exited with {process.returncode}")
         try:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
             conn.request("GET", "/health")
@@ -150,7 +149,37 @@ def start_mlx_lm(target: str, port: int, log) -> subprocess.Popen:
             pass
         time.sleep(0.5)
     stop_process(process)
-    raise SystemExit("mlx_lm.server did not come up in 600 s")
+    raise SystemExit(f"{name} did not come up in 600 s")
+
+
+def server_command(mode: str, target: str, draft: str, port: int, args) -> list[str]:
+    address = ["--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING"]
+    if mode == "mlx_lm":
+        return [sys.executable, "-c", MLX_LM_SERVER, "--model", str(target), *address]
+    command = [sys.executable, "-m", "mlx_dspark.server", "--model", str(target),
+               "--draft-model", str(draft), "--decode-concurrency",
+               str(max(args.clients)), *address]  # fmt: skip
+    if mode == "plain":
+        command += ["--dspark-n-draft", "0"]
+    elif args.always_draft:
+        command.append("--no-dspark-adaptive")
+    return command
+
+
+def batch_counters(port: int) -> tuple[float, float]:
+    """Our server's (target forwards, request rounds) so far, from /metrics."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/metrics")
+    values = {}
+    for line in conn.getresponse().read().decode().splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    conn.close()
+    return (
+        values["dspark_server_target_forwards_total"],
+        values["dspark_server_request_rounds_total"],
+    )
 
 
 def stop_process(process: subprocess.Popen) -> None:
@@ -162,63 +191,19 @@ def stop_process(process: subprocess.Popen) -> None:
         process.wait()
 
 
-def load_pair(name: str, args):
-    """``(model, tokenizer, drafter, target path for mlx_lm, prompts, chat)``."""
-    from mlx_dspark.loading import load
-
+def pair_paths(name: str, args) -> tuple[str, str, list[str], bool]:
+    """``(target, drafter, prompts, chat)`` of a pair."""
     if name == "demo":
         from mlx_dspark.structured import demo_pair
 
         target, draft = demo_pair()
-        prompts, chat = DEMO_PROMPTS, False
-    elif args.model:
-        target, draft = args.model, args.draft_model
-        prompts, chat = PROMPTS, True
-    else:
-        from mlx_dspark.default import default_pair
+        return str(target), str(draft), DEMO_PROMPTS, False
+    if args.model:
+        return args.model, args.draft_model, PROMPTS, True
+    from mlx_dspark.default import default_pair
 
-        target, draft = default_pair()
-        prompts, chat = PROMPTS, True
-    model, tokenizer, drafter = load(target, draft)
-    return model, tokenizer, drafter, target, prompts, chat
-
-
-def serve_ours(
-    model, tokenizer, drafter, num_draft, prior, args, prompts, chat, clients
-):
-    """One run of our server (a fresh engine, DSpark on or off) under the clients."""
-    from mlx_dspark.serving import (
-        BatchEngine,
-        EngineConfig,
-        ServerSettings,
-        make_server,
-    )
-
-    engine = BatchEngine(
-        model,
-        tokenizer,
-        drafter,
-        EngineConfig(
-            num_draft=num_draft,
-            max_batch=max(args.clients),
-            prior=prior,
-            adaptive=not args.always_draft,
-        ),
-    )
-    server = make_server(engine, tokenizer, ServerSettings(), port=0)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    port = server.server_address[1]
-    try:
-        request(port, prompts[0], 4, chat)  # warm-up
-        result = run_clients(port, prompts, clients, args.requests,
-                             args.max_tokens, chat)  # fmt: skip
-    finally:
-        server.shutdown()
-        server.server_close()
-        engine.stop()
-    result["mean_batch"] = engine.stats.mean_batch
-    return result
+    target, draft = default_pair()
+    return str(target), str(draft), PROMPTS, True
 
 
 def merge(runs: list[dict]) -> dict:
@@ -244,31 +229,30 @@ def measure_pair(name: str, args, log) -> list[dict]:
     """Every client count: ``--trials`` rounds of the modes, in an order that
     rotates each trial (no mode always runs first, right after another's
     load), each mode's throughput the median of its trials."""
-    from mlx_dspark.profile import load_profile
-
-    model, tokenizer, drafter, target, prompts, chat = load_pair(name, args)
-    prior = load_profile(model, drafter)
-    modes = ["dspark", "plain"]
-    mlx_lm = None
-    if not args.no_mlx_lm:
-        mlx_lm_port = free_port()
-        mlx_lm = start_mlx_lm(target, mlx_lm_port, log)
-        request(mlx_lm_port, prompts[0], 4, chat)  # warm-up
-        modes.append("mlx_lm")
+    target, draft, prompts, chat = pair_paths(name, args)
+    modes = ["dspark", "plain"] + ([] if args.no_mlx_lm else ["mlx_lm"])
+    servers: dict[str, tuple[subprocess.Popen, int]] = {}
     replies: dict[str, str] = {}
     rows = []
     try:
+        for mode in modes:
+            port = free_port()
+            command = server_command(mode, target, draft, port, args)
+            servers[mode] = (start_server(command, mode, port, log), port)
+            request(port, prompts[0], 4, chat)  # warm-up
         for clients in args.clients:
             runs: dict[str, list[dict]] = {m: [] for m in modes}
             for trial in range(args.trials):
                 for mode in modes[trial % len(modes) :] + modes[: trial % len(modes)]:
-                    if mode == "mlx_lm":
-                        result = run_clients(mlx_lm_port, prompts, clients,
-                                             args.requests, args.max_tokens, chat)  # fmt: skip
-                    else:
-                        num_draft = None if mode == "dspark" else 0
-                        result = serve_ours(model, tokenizer, drafter, num_draft,
-                                            prior, args, prompts, chat, clients)  # fmt: skip
+                    port = servers[mode][1]
+                    before = None if mode == "mlx_lm" else batch_counters(port)
+                    result = run_clients(port, prompts, clients, args.requests,
+                                         args.max_tokens, chat)  # fmt: skip
+                    if before is not None:
+                        forwards, rounds = batch_counters(port)
+                        result["mean_batch"] = (rounds - before[1]) / max(
+                            forwards - before[0], 1.0
+                        )
                     if result["errors"]:
                         raise SystemExit(
                             f"{name} {mode} at {clients} clients: {result['errors'][:3]}"
@@ -290,8 +274,8 @@ def measure_pair(name: str, args, log) -> list[dict]:
             rows.append(row)
             print(json.dumps(summary(row)), flush=True)
     finally:
-        if mlx_lm is not None:
-            stop_process(mlx_lm)
+        for process, _ in servers.values():
+            stop_process(process)
     return rows
 
 
@@ -353,15 +337,15 @@ def main() -> None:
         "--no-mlx-lm", action="store_true", help="Skip the mlx_lm.server column."
     )
     parser.add_argument(
-        "--mlx-lm-log",
-        default=os.path.join(tempfile.gettempdir(), "mlx_lm_server.log"),
-        help="Where mlx_lm.server's output goes.",
+        "--server-log",
+        default=os.path.join(tempfile.gettempdir(), "server_benchmark.log"),
+        help="Where the servers' output goes.",
     )
     parser.add_argument("--json", help="Write every measurement here.")
     args = parser.parse_args()
 
     rows = []
-    with open(args.mlx_lm_log, "w") as log:
+    with open(args.server_log, "w") as log:
         for name in args.pairs:
             rows += measure_pair(name, args, log)
     print_table(rows, args)
