@@ -75,10 +75,14 @@ class _Recording:
     telemetry: Telemetry = field(default_factory=Telemetry)
 
     def observe(self, proposal: Proposal, round_stats: RoundStats) -> None:
-        expected = 0.0
+        self._record(proposal, round_stats)
+
+    def _record(self, proposal: Proposal, round_stats: RoundStats) -> np.ndarray | None:
+        """Record the round's telemetry; returns the calibrated survival of its
+        verified drafts (None without confidences)."""
         z = _raw_confidence(proposal, round_stats.verified)
-        if z is not None:
-            expected = float(calibrated_survival(z, self.temperatures).sum())
+        survival = None if z is None else calibrated_survival(z, self.temperatures)
+        expected = 0.0 if survival is None else float(survival.sum())
         self.telemetry.record_round(
             round_stats.drafted,
             round_stats.verified,
@@ -86,6 +90,7 @@ class _Recording:
             round_stats.accepted,
             round_stats.verify_time * 1000.0,
         )
+        return survival
 
 
 @dataclass
@@ -164,12 +169,10 @@ class SchedulerPolicy(_Recording):
         return self.draft_lengths([proposal], [cap])[0]
 
     def observe(self, proposal: Proposal, round_stats: RoundStats) -> None:
-        super().observe(proposal, round_stats)
+        survival = self._record(proposal, round_stats)
         self.rounds_seen += 1
-        z = _raw_confidence(proposal, round_stats.verified)
-        if z is None:
+        if survival is None:
             return
-        survival = calibrated_survival(z, self.temperatures)
         if survival.size > self.predicted.size:
             grow = survival.size - self.predicted.size
             self.predicted = np.concatenate([self.predicted, np.zeros(grow)])
