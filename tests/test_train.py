@@ -31,6 +31,7 @@ from mlx_dspark.train import (
     train,
     training_hidden,
 )
+from mlx_dspark.training import teacher as teacher_module
 from mlx_dspark.training.batches import make_batch, shard
 from mlx_dspark.training.loss import draft_logits, loss_terms
 from mlx_dspark.training.teacher import OnlineTeacher, TeacherStore
@@ -486,6 +487,51 @@ def test_stored_teacher_loss_equals_on_the_fly(setup, tmp_path, draft_vocab):
         if dtype == "float32":
             for name, g in tree_flatten(got_grads):
                 assert mx.allclose(g, dict(tree_flatten(grads))[name], atol=1e-5), name
+
+
+def test_interrupted_teacher_store_continues_where_it_stopped(
+    setup, tmp_path, monkeypatch
+):
+    """A build stopped after two batches continues from the third when run
+    again, and ends byte for byte as a build that was never stopped; features
+    that overflow float16 start the build over in bfloat16."""
+    _, _, model, tokenizer, data = setup
+    _, target, ids = _tiny_drafter(model, draft_vocab=12)
+    sequences, _ = load_sequences([data], tokenizer, 64)
+    sequences = sequences[:7]
+
+    def build(directory, progress=None):
+        return TeacherStore.build(
+            directory, "k", target, sequences, ids, batch_size=2, progress=progress
+        )
+
+    def stop_after_two(done, total):
+        if done == 4:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        build(tmp_path / "resumed", stop_after_two)
+    assert not TeacherStore.complete(tmp_path / "resumed", "k")
+    reported = []
+    resumed = build(tmp_path / "resumed", lambda done, total: reported.append(done))
+    assert reported == [6, 7]
+    assert not (tmp_path / "resumed" / "progress.json").exists()
+    whole = build(tmp_path / "whole")
+    for name in ("features", "probs", "outside"):
+        assert np.array_equal(getattr(resumed, name), getattr(whole, name)), name
+    assert (tmp_path / "resumed" / "meta.json").read_text() == (
+        tmp_path / "whole" / "meta.json"
+    ).read_text()
+    other = TeacherStore.build(
+        tmp_path / "resumed", "other", target, sequences, ids, batch_size=2,
+        progress=lambda done, total: reported.append(done),
+    )  # fmt: skip
+    assert reported[2:] == [2, 4, 6, 7] and other.features.shape == whole.features.shape
+    monkeypatch.setattr(teacher_module, "F16_MAX", 0.0)
+    wide = build(tmp_path / "wide")
+    assert wide.feature_dtype == "bfloat16"
+    features = mx.array(np.asarray(wide.features)).view(mx.bfloat16)
+    assert mx.allclose(features, mx.array(np.asarray(whole.features)), rtol=1e-2)
 
 
 def test_compiled_step_equals_the_eager_step(setup):

@@ -37,6 +37,7 @@ from .batches import Batch
 
 STORE_VERSION = 1
 F16_MAX = 6.0e4
+ARRAYS = ("features", "probs", "outside")
 
 
 def target_distribution(
@@ -128,86 +129,73 @@ class TeacherStore:
         batch_size: int = 8,
         progress: Callable[[int, int], None] | None = None,
     ) -> TeacherStore:
-        """Run the target once over ``sequences`` (resumes nothing: a partial
-        store is rebuilt). Returns the opened store."""
+        """Run the target once over ``sequences`` and return the opened store.
+
+        The arrays are flushed and ``progress.json`` records the batches done
+        after every batch, so a build that was interrupted (Ctrl-C, a killed
+        session) continues where it stopped when called again with the same
+        key, dtype and batch size; anything else starts over."""
         if cls.complete(directory, key):
             return cls(directory)
-        shutil.rmtree(directory, ignore_errors=True)
-        directory.mkdir(parents=True)
         lengths = np.array([len(s) for s in sequences], dtype=np.int64)
         offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-        total = int(lengths.sum())
         ids = None if draft_ids is None else mx.array(draft_ids)
-        V = target.vocab_size if draft_ids is None else len(draft_ids)
-        F = len(target.layer_ids) * target.hidden_size
+        shape = {
+            "total": int(lengths.sum()),
+            "features": len(target.layer_ids) * target.hidden_size,
+            "vocab": target.vocab_size if draft_ids is None else len(draft_ids),
+        }
         exact = dtype == "float32"
-        feature_dtype = "float32" if exact else "float16"
-        for _attempt in range(2):
-            files = {
-                "features": np.lib.format.open_memmap(
-                    directory / "features.npy",
-                    "w+",
-                    np.float32
-                    if feature_dtype == "float32"
-                    else np.uint16
-                    if feature_dtype == "bfloat16"
-                    else np.float16,
-                    (total, F),
-                ),
-                "probs": np.lib.format.open_memmap(
-                    directory / "probs.npy",
-                    "w+",
-                    np.float32 if exact else np.float16,
-                    (total, V),
-                ),
-                "outside": np.lib.format.open_memmap(
-                    directory / "outside.npy", "w+", np.float32, (total,)
-                ),
-            }
+        plan = {"version": STORE_VERSION, "key": key, "dtype": dtype}
+        plan |= {"batch_size": batch_size, **shape}
+        state = _read_progress(directory, plan)
+        if state is None:
+            state = {"feature_dtype": "float32" if exact else "float16", "done": 0}
+        order = np.argsort(-lengths, kind="stable")  # similar lengths together
+        starts = range(0, len(order), batch_size)
+        while True:
+            if state["done"] == 0:
+                shutil.rmtree(directory, ignore_errors=True)
+                directory.mkdir(parents=True)
+            files = _open_arrays(directory, shape, state["feature_dtype"], exact)
             overflow = False
-            order = np.argsort(-lengths, kind="stable")  # similar lengths together
-            for start in range(0, len(order), batch_size):
+            for chunk_index in range(state["done"], len(starts)):
+                start = starts[chunk_index]
                 chunk = order[start : start + batch_size]
                 S = int(lengths[chunk].max())
                 tokens = np.zeros((len(chunk), S), dtype=np.int32)
                 for row, i in enumerate(chunk):
                     tokens[row, : lengths[i]] = sequences[i].tokens
-                hidden, features = target.hidden(mx.array(tokens), target.make_cache())
-                probs, outside = target_distribution(target, hidden, ids)
-                features = features.astype(mx.float32)
-                if feature_dtype == "float16":
-                    if mx.abs(features).max().item() > F16_MAX:
-                        overflow = True
-                        break
-                    features = np.asarray(features.astype(mx.float16))
-                elif feature_dtype == "bfloat16":
-                    features = np.asarray(features.astype(mx.bfloat16).view(mx.uint16))
-                else:
-                    features = np.asarray(features)
-                probs = np.asarray(probs.astype(mx.float32 if exact else mx.float16))
-                outside = np.asarray(outside)
+                rows = _teacher_rows(target, tokens, ids, state["feature_dtype"], exact)
+                if rows is None:
+                    overflow = True
+                    break
+                features, probs, outside = rows
                 for row, i in enumerate(chunk):
                     rows = slice(offsets[i], offsets[i] + lengths[i])
                     files["features"][rows] = features[row, : lengths[i]]
                     files["probs"][rows] = probs[row, : lengths[i]]
                     files["outside"][rows] = outside[row, : lengths[i]]
+                for array in files.values():
+                    array.flush()
+                state["done"] = chunk_index + 1
+                _write_json(directory / "progress.json", {**plan, **state})
                 if progress is not None:
                     progress(min(start + batch_size, len(order)), len(order))
+            del files
             if not overflow:
                 break
-            feature_dtype = "bfloat16"
-        for array in files.values():
-            array.flush()
-        del files
+            state = {"feature_dtype": "bfloat16", "done": 0}
         meta = {
             "version": STORE_VERSION,
             "key": key,
             "offsets": offsets.tolist(),
             "lengths": lengths.tolist(),
-            "feature_dtype": feature_dtype,
-            "vocab": V,
+            "feature_dtype": state["feature_dtype"],
+            "vocab": shape["vocab"],
         }
-        (directory / "meta.json").write_text(json.dumps(meta))
+        _write_json(directory / "meta.json", meta)
+        (directory / "progress.json").unlink()
         return cls(directory)
 
     def __call__(
@@ -233,3 +221,74 @@ class TeacherStore:
             _gather(mx.array(probs), batch.positions),
             _gather(mx.array(outside), batch.positions),
         )
+
+
+def _teacher_rows(
+    target: TargetAdapter,
+    tokens: np.ndarray,
+    ids: mx.array | None,
+    feature_dtype: str,
+    exact: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """Features, probabilities and outside mass of a padded batch, in the
+    store's dtypes; None when a feature overflows float16."""
+    hidden, features = target.hidden(mx.array(tokens), target.make_cache())
+    probs, outside = target_distribution(target, hidden, ids)
+    features = features.astype(mx.float32)
+    if feature_dtype == "float16":
+        if mx.abs(features).max().item() > F16_MAX:
+            return None
+        features = features.astype(mx.float16)
+    elif feature_dtype == "bfloat16":
+        features = features.astype(mx.bfloat16).view(mx.uint16)
+    probs = probs.astype(mx.float32 if exact else mx.float16)
+    return np.asarray(features), np.asarray(probs), np.asarray(outside)
+
+
+def _read_progress(directory: Path, plan: dict) -> dict | None:
+    """The feature dtype and batches done of an interrupted build of ``plan``,
+    or None when there is none to continue."""
+    try:
+        state = json.loads((directory / "progress.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if any(state.get(name) != value for name, value in plan.items()):
+        return None
+    if not all((directory / f"{name}.npy").exists() for name in ARRAYS):
+        return None
+    return {"feature_dtype": state["feature_dtype"], "done": int(state["done"])}
+
+
+def _open_arrays(
+    directory: Path, shape: dict, feature_dtype: str, exact: bool
+) -> dict[str, np.memmap]:
+    """The store's arrays, created when missing and opened for writing."""
+    dtypes = {
+        "features": {"float32": np.float32, "bfloat16": np.uint16}.get(
+            feature_dtype, np.float16
+        ),
+        "probs": np.float32 if exact else np.float16,
+        "outside": np.float32,
+    }
+    shapes = {
+        "features": (shape["total"], shape["features"]),
+        "probs": (shape["total"], shape["vocab"]),
+        "outside": (shape["total"],),
+    }
+    files = {}
+    for name in ARRAYS:
+        path = directory / f"{name}.npy"
+        if path.exists():
+            files[name] = np.load(path, mmap_mode="r+")
+        else:
+            files[name] = np.lib.format.open_memmap(
+                path, "w+", dtypes[name], shapes[name]
+            )
+    return files
+
+
+def _write_json(path: Path, value: dict) -> None:
+    """Write ``value`` to ``path`` through a temporary file and a rename."""
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(value))
+    partial.replace(path)
