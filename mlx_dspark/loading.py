@@ -322,9 +322,14 @@ def dequantize_on_cpu(drafter: DSparkDrafter) -> None:
     quantized kernels are the fast ones, so there the weights stay quantized.
     """
     if mx.default_device().type == mx.cpu:
-        from mlx_lm.utils import dequantize_model
+        dequantize(drafter)
 
-        dequantize_model(drafter)
+
+def dequantize(drafter: DSparkDrafter) -> None:
+    """Replace the drafter's quantized layers by float ones, in place."""
+    from mlx_lm.utils import dequantize_model
+
+    dequantize_model(drafter)
 
 
 def _check_draft_to_target(table: mx.array, config: DraftConfig) -> mx.array:

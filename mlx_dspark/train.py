@@ -31,7 +31,9 @@ import mlx.optimizers as optim
 import numpy as np
 
 from .data import load_sequences, regenerate, sha256
+from .drafter import DSparkDrafter
 from .errors import DSparkError
+from .loading import resolve_path
 from .target import TargetAdapter
 from .training.batches import (
     Batch,
@@ -48,9 +50,12 @@ from .training.checkpoint import (
     save_checkpoint,
 )
 from .training.model import (
+    check_same_shape,
+    copy_trained_weights,
     default_layer_ids,
     drafter_config,
     new_drafter,
+    trained_drafter,
     training_hidden,
 )
 from .training.teacher import OnlineTeacher, TeacherStore
@@ -106,6 +111,7 @@ class TrainArgs:
     keep_checkpoint: bool = False
     teacher_store: str | None = None
     init_from_target: bool = False
+    init_from: str | None = None
     regenerate: bool = False
     regenerate_out: str | None = None
     regen_max_tokens: int = 256
@@ -168,6 +174,7 @@ def train(
     layer_ids = args.target_layer_ids or default_layer_ids(len(model.layers))
     target = TargetAdapter(model, layer_ids)
     mask_token_id = _mask_token_id(args, target)
+    start = _start_drafter(args, model)
     inputs = [
         {"path": str(p), "sha256": sha256(p)} for p in args.data if Path(p).is_file()
     ]
@@ -179,18 +186,22 @@ def train(
     sequences, report = load_sequences(data_files, tokenizer, args.seq_len)
     _say(args, f"data: {report.summary()}")
     data_hashes = [{"path": str(p), "sha256": sha256(p)} for p in data_files]
-    vocab = _draft_vocabulary(args, sequences, target)
+    vocab = _draft_vocabulary(args, sequences, target, start)
     config = drafter_config(
         target_config, target, layers=args.layers, block_size=args.block_size,
         markov_head=args.markov_head, markov_rank=args.markov_rank,
         anchors=args.anchors, confidence=args.confidence, mask_token_id=mask_token_id,
         draft_vocab_size=None if vocab is None else len(vocab.ids),
     )  # fmt: skip
+    if start is not None:
+        check_same_shape(config, start.drafter.config, start.path)
     train_ids, val_ids = _split(len(sequences), args.val_sequences, args.seed)
     per_epoch = math.ceil(len(train_ids) / args.batch_size)
     total = args.steps or max(1, math.ceil((args.epochs or 1.0) * per_epoch))
     draft_ids = None if vocab is None else vocab.ids
     drafter = new_drafter(config, target, args.seed, draft_ids, args.init_from_target)
+    if start is not None:
+        copy_trained_weights(drafter, start.drafter)
     optimizer = optim.AdamW(
         learning_rate=schedule(args.lr, total, int(args.warmup * total)),
         weight_decay=args.weight_decay,
@@ -200,6 +211,7 @@ def train(
         "seed": args.seed, "batch_size": args.batch_size, "seq_len": args.seq_len,
         "gamma": args.gamma, "lr": args.lr, "total_steps": total,
         "init_from_target": args.init_from_target,
+        "init_from": None if start is None else start.weights_sha256,
         "val_sequences": args.val_sequences,
     }  # fmt: skip
     state = (
@@ -250,7 +262,7 @@ def train(
     if rank > 0:
         return TrainResult(status, None, ckpt, state.step, final, state.history)
     record = _record(args, target_path, layer_ids, mask_token_id, inputs, data_hashes,
-                     report, vocab, state, per_epoch, final, size)  # fmt: skip
+                     report, vocab, state, per_epoch, final, size, start)  # fmt: skip
     if out.exists() and args.force:
         shutil.rmtree(out)
     quantize = (
@@ -338,6 +350,8 @@ def _check_args(args: TrainArgs) -> None:
             f"A training checkpoint exists at {ckpt}; pass --resume to continue it "
             "or --force to start over."
         )
+    if args.init_from and args.init_from_target:
+        raise DSparkError("Give either --init-from or --init-from-target, not both.")
     if args.resume and not ckpt.exists():
         raise DSparkError(f"--resume found no checkpoint at {ckpt}.")
 
@@ -382,7 +396,11 @@ def _regenerated(args: TrainArgs, out: Path, model, tokenizer, progress) -> list
     return [str(path)]
 
 
-def _draft_vocabulary(args: TrainArgs, sequences, target) -> DraftVocabulary | None:
+def _draft_vocabulary(
+    args: TrainArgs, sequences, target, start: StartDrafter | None
+) -> DraftVocabulary | None:
+    """The most frequent training labels, or the starting drafter's own
+    vocabulary (its head rows must keep meaning the same tokens)."""
     if args.draft_vocab is None:
         return None
     if args.draft_vocab >= target.vocab_size:
@@ -390,13 +408,53 @@ def _draft_vocabulary(args: TrainArgs, sequences, target) -> DraftVocabulary | N
             f"--draft-vocab {args.draft_vocab} must be smaller than the target's "
             f"vocabulary ({target.vocab_size})."
         )
-    vocab = draft_vocabulary(sequences, args.draft_vocab, target.vocab_size)
+    ids = None
+    if start is not None and start.drafter.config.reduced_vocab:
+        ids = np.asarray(start.drafter.draft_to_target).astype(np.int32)
+    vocab = draft_vocabulary(sequences, args.draft_vocab, target.vocab_size, ids)
     _say(
         args,
         f"draft vocabulary: {len(vocab.ids)} tokens, "
         f"{vocab.coverage:.1%} of the training labels",
     )
     return vocab
+
+
+@dataclass
+class StartDrafter:
+    """The drafter a run starts from (``--init-from``) and its history."""
+
+    path: Path
+    drafter: DSparkDrafter
+    weights_sha256: str
+    runs: list[dict]
+
+
+def _start_drafter(args: TrainArgs, target_model) -> StartDrafter | None:
+    if not args.init_from:
+        return None
+    path = resolve_path(args.init_from, "--init-from drafter")
+    drafter = trained_drafter(path, target_model)
+    try:
+        record = json.loads((path / "training_record.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        record = {}
+    runs = record.get("runs") or ([_run_summary(record)] if "steps" in record else [])
+    weights = sorted(path.glob("*.safetensors"))
+    digest = hashlib.sha256("".join(sha256(w) for w in weights).encode()).hexdigest()
+    _say(args, f"starting from {path} ({sum(r['steps'] for r in runs)} steps before)")
+    return StartDrafter(path, drafter, digest, runs)
+
+
+def _run_summary(record: dict) -> dict:
+    """One training run as the record of a later run keeps it."""
+    return {
+        "steps": record["steps"],
+        "train_time_s": record.get("train_time_s", 0.0),
+        "block_positions": record.get("block_positions", 0),
+        "data": record.get("data", []),
+        "init_from": record.get("init_from"),
+    }
 
 
 def _teacher(args, target, target_path, sequences, data_hashes, draft_ids, progress):
@@ -497,8 +555,19 @@ def _all_sum(value: int, group: mx.distributed.Group) -> int:
 def _record(
     args, target_path, layer_ids, mask_token_id, inputs, data_hashes, report,
     vocab, state: LoopState, per_epoch: int, final: dict, processes: int,
+    start: StartDrafter | None,
 ) -> dict:  # fmt: skip
-    """``training_record.json``: arguments, data, throughput, metrics."""
+    """``training_record.json``: arguments, data, throughput, metrics, and
+    every run from the first one (``--init-from`` chains them)."""
+    init_from = None if start is None else {
+        "path": str(start.path), "weights_sha256": start.weights_sha256,
+    }  # fmt: skip
+    this_run = {
+        "steps": state.step, "train_time_s": state.train_time_s,
+        "block_positions": state.block_positions, "data": data_hashes,
+        "init_from": init_from,
+    }  # fmt: skip
+    runs = ([] if start is None else start.runs) + [this_run]
     return {
         "format": "mlx-dspark training record v2", "arguments": asdict(args),
         "target": str(target_path), "target_layer_ids": layer_ids,
@@ -511,6 +580,10 @@ def _record(
         "history_columns": ["step", *METRICS], "history": state.history,
         "validation_columns": ["step", "train_time_s", *METRICS],
         "validation": state.validation,
+        "init_from": init_from, "runs": runs,
+        "total_steps": sum(r["steps"] for r in runs),
+        "total_train_time_s": sum(r["train_time_s"] for r in runs),
+        "total_block_positions": sum(r["block_positions"] for r in runs),
         "versions": {"mlx": mx.__version__, "mlx_lm": _mlx_lm_version()},
     }  # fmt: skip
 

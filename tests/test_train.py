@@ -6,6 +6,7 @@ import stat
 import subprocess
 import sys
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -32,7 +33,12 @@ from mlx_dspark.train import (
     training_hidden,
 )
 from mlx_dspark.training import teacher as teacher_module
-from mlx_dspark.training.batches import make_batch, shard
+from mlx_dspark.training.batches import (
+    frequent_tokens,
+    make_batch,
+    shard,
+    training_labels,
+)
 from mlx_dspark.training.loss import draft_logits, loss_terms
 from mlx_dspark.training.teacher import OnlineTeacher, TeacherStore
 from mlx_dspark.training.trainer import make_step, schedule
@@ -593,6 +599,44 @@ def test_init_from_target_copies_the_top_layer(setup):
             mine, theirs, other = (getattr(m, part) for m in (mine, theirs, other))
         assert mx.array_equal(mine.weight, theirs.weight.astype(mx.float32)), name
         assert not mx.array_equal(other.weight, mine.weight), name
+
+
+def test_init_from_a_trained_drafter_continues_it(setup, tmp_path):
+    """--init-from starts from an earlier drafter's weights (its 4-bit export
+    dequantized), keeps its draft vocabulary on other data, chains the
+    training records, and names the flag that does not match."""
+    root, target_dir, _, tokenizer, data = setup
+    first = train(base_args(setup, "first", steps=6, draft_vocab=12, quantize_bits=4))
+    first_ids = np.asarray(
+        mx.load(str(first.out / "model.safetensors"))["draft_to_target"]
+    )
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(data.read_text().splitlines(keepends=True)[:5]))
+    sequences, _ = load_sequences([other], tokenizer, 64)
+    assert not np.array_equal(
+        frequent_tokens(training_labels(sequences), 12, 32), first_ids
+    )
+    continued = partial(
+        base_args, setup, data=[str(other)], draft_vocab=12, init_from=str(first.out)
+    )
+    stopped = train(continued("stopped", lr=1e-12), should_stop=lambda step: True)
+    _, _, loaded = load(target_dir, first.out)
+    expected = dict(tree_flatten(loaded.parameters()))
+    got = _checkpoint_weights(stopped)
+    assert np.array_equal(np.asarray(got["draft_to_target"]), first_ids)
+    trainable = [k for k in got if k not in ("lm_head.weight", "draft_to_target")]
+    assert len(trainable) > 10
+    for name in trainable:
+        assert mx.allclose(got[name], expected[name], atol=1e-6), name
+
+    second = train(continued("second", steps=3))
+    record = json.loads((second.out / "training_record.json").read_text())
+    assert [r["steps"] for r in record["runs"]] == [6, 3]
+    assert record["total_steps"] == 9 and record["steps"] == 3
+    assert record["runs"][1]["init_from"]["path"] == str(first.out)
+    assert record["total_train_time_s"] > record["train_time_s"] > 0
+    with pytest.raises(DSparkError, match="--markov-rank \\(16, not 8\\)"):
+        train(continued("other_rank", markov_rank=8))
 
 
 def test_a_finished_run_removes_its_checkpoint_and_follows_the_umask(setup):

@@ -145,6 +145,15 @@ def build_parser(prog: str = "mlx_dspark.train") -> argparse.ArgumentParser:
         help="Start the draft layers from the target's top decoder layers.",
     )
     add(
+        "--init-from",
+        default=None,
+        metavar="DRAFTER",
+        help="Start from a drafter trained earlier (a directory this command "
+        "wrote, float or quantized), with a fresh optimizer and schedule; the "
+        "shape flags must match it, its draft vocabulary is kept, and its "
+        "training record's runs are carried into the new one.",
+    )
+    add(
         "--regenerate",
         action="store_true",
         help="First let the target write the responses.",

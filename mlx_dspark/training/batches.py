@@ -135,10 +135,16 @@ class DraftVocabulary:
 
 
 def draft_vocabulary(
-    sequences: list[Sequence], count: int, vocab_size: int
+    sequences: list[Sequence],
+    count: int,
+    vocab_size: int,
+    ids: np.ndarray | None = None,
 ) -> DraftVocabulary:
+    """The ``count`` most frequent training labels, or the given ``ids`` (a
+    drafter's own vocabulary), with their coverage of the labels."""
     labels = training_labels(sequences)
-    ids = frequent_tokens(labels, count, vocab_size)
+    if ids is None:
+        ids = frequent_tokens(labels, count, vocab_size)
     target_to_draft = np.full(vocab_size, -1, dtype=np.int32)
     target_to_draft[ids] = np.arange(len(ids), dtype=np.int32)
     coverage = float(np.mean(target_to_draft[labels] >= 0))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, is_dataclass
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -12,6 +13,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ..config import DraftConfig
 from ..drafter import DraftAttention, DraftLayer, DSparkDrafter, Gemma4DraftLayer
 from ..errors import DSparkError
+from ..loading import dequantize, load_drafter
 from ..target import TargetAdapter
 
 
@@ -158,6 +160,67 @@ def new_drafter(
         drafter.norm.weight = final_norm.astype(mx.float32)
     mx.eval(drafter.parameters())
     return drafter
+
+
+def trained_drafter(path: Path, target: nn.Module) -> DSparkDrafter:
+    """A drafter written earlier (by this trainer or a converter), with float
+    weights, to start a run from (``--init-from``)."""
+    drafter = load_drafter(path, target)
+    if any(k.endswith(".scales") for k, _ in tree_flatten(drafter.parameters())):
+        dequantize(drafter)
+    return drafter
+
+
+def copy_trained_weights(drafter: DSparkDrafter, source: DSparkDrafter) -> None:
+    """``source``'s value of every trainable weight of ``drafter`` (float32);
+    the frozen embedding and LM head stay the target's."""
+    theirs = dict(tree_flatten(source.parameters()))
+    drafter.load_weights(
+        [
+            (name, theirs[name].astype(mx.float32))
+            for name, _ in tree_flatten(drafter.trainable_parameters())
+        ],
+        strict=False,
+    )
+    mx.eval(drafter.parameters())
+
+
+_SHAPE_FLAGS = {
+    "num_hidden_layers": "--layers",
+    "block_size": "--block-size",
+    "markov_head_type": "--markov-head",
+    "markov_rank": "--markov-rank",
+    "draft_vocab_size": "--draft-vocab",
+    "target_layer_ids": "--target-layer-ids",
+    "mask_token_id": "--mask-token-id",
+    "enable_confidence_head": "--confidence",
+}
+
+
+def check_same_shape(config: DraftConfig, trained: DraftConfig, path: Path) -> None:
+    """Refuse to start from a drafter of another shape than the flags ask for."""
+    mine, theirs = config.to_dict(), trained.to_dict()
+    differ = [
+        k
+        for k in sorted(set(mine) | set(theirs))
+        if k not in ("quantization", "num_anchors") and mine.get(k) != theirs.get(k)
+    ]
+    if not differ:
+        return
+    flags = [
+        f"{_SHAPE_FLAGS[k]} ({theirs.get(k)}, not {mine.get(k)})"
+        for k in differ
+        if k in _SHAPE_FLAGS
+    ]
+    if len(flags) < len(differ):
+        raise DSparkError(
+            f"--init-from {path} is a drafter for another target "
+            f"({', '.join(k for k in differ if k not in _SHAPE_FLAGS)} differ)."
+        )
+    raise DSparkError(
+        f"--init-from {path} was trained with other settings; pass its "
+        f"{', '.join(flags)}."
+    )
 
 
 _LAYER_PARTS = (
