@@ -30,7 +30,7 @@ import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
 
-from .data import load_sequences, regenerate, sha256
+from .data import Sequence, load_sequences, regenerate, sha256
 from .drafter import DSparkDrafter
 from .errors import DSparkError
 from .loading import resolve_path
@@ -125,6 +125,7 @@ class TrainArgs:
     force: bool = False
     log_every: int = 10
     val_sequences: int = 0
+    val_data: list[str] | None = None
     val_every: int = 50
     quiet: bool = False
 
@@ -186,6 +187,7 @@ def train(
     sequences, report = load_sequences(data_files, tokenizer, args.seq_len)
     _say(args, f"data: {report.summary()}")
     data_hashes = [{"path": str(p), "sha256": sha256(p)} for p in data_files]
+    val_data, val_hashes = _validation_data(args, tokenizer, data_hashes)
     vocab = _draft_vocabulary(args, sequences, target, start)
     config = drafter_config(
         target_config, target, layers=args.layers, block_size=args.block_size,
@@ -212,7 +214,7 @@ def train(
         "gamma": args.gamma, "lr": args.lr, "total_steps": total,
         "init_from_target": args.init_from_target,
         "init_from": None if start is None else start.weights_sha256,
-        "val_sequences": args.val_sequences,
+        "val_sequences": args.val_sequences, "val_data": val_hashes,
     }  # fmt: skip
     state = (
         _resume(args, ckpt, drafter, optimizer, identity)
@@ -236,11 +238,19 @@ def train(
 
     make = partial(_make_batch, args, sequences, mask_token_id, vocab)
     next_batch = _batches(args, train_ids, per_epoch, make, rank, size)
-    validate = (
-        make_validation(drafter, teacher, _validation_batches(args, val_ids, make))
-        if val_ids and rank == 0
-        else None
-    )
+    validate = None
+    if val_data and rank == 0:
+        val_teacher = _teacher(
+            args, target, target_path, val_data, val_hashes, draft_ids,
+            stage("validation store"),
+        )  # fmt: skip
+        val_make = partial(_make_batch, args, val_data, mask_token_id, vocab)
+        val_batches = _validation_batches(args, list(range(len(val_data))), val_make)
+        validate = make_validation(drafter, val_teacher, val_batches)
+    elif val_ids and rank == 0:
+        validate = make_validation(
+            drafter, teacher, _validation_batches(args, val_ids, make)
+        )
     parallel = group if size > 1 else None
     status, final = optimise(
         make_step(drafter, optimizer, args.grad_clip, group=parallel), next_batch,
@@ -262,7 +272,8 @@ def train(
     if rank > 0:
         return TrainResult(status, None, ckpt, state.step, final, state.history)
     record = _record(args, target_path, layer_ids, mask_token_id, inputs, data_hashes,
-                     report, vocab, state, per_epoch, final, size, start)  # fmt: skip
+                     report, vocab, state, per_epoch, final, size, start,
+                     val_hashes)  # fmt: skip
     if out.exists() and args.force:
         shutil.rmtree(out)
     quantize = (
@@ -321,6 +332,8 @@ def _check_args(args: TrainArgs) -> None:
             raise DSparkError(f"{flag} must be >= 0, got {value}.")
     if args.val_sequences < 0:
         raise DSparkError(f"--val-sequences must be >= 0, got {args.val_sequences}.")
+    if args.val_data and args.val_sequences:
+        raise DSparkError("Give either --val-data or --val-sequences, not both.")
     if not 0 <= args.warmup < 1:
         raise DSparkError(f"--warmup must be a fraction in [0, 1), got {args.warmup}.")
     if args.quantize_group_size not in (32, 64, 128):
@@ -481,6 +494,22 @@ def _teacher(args, target, target_path, sequences, data_hashes, draft_ids, progr
 SHAPE_STEP = 64  # batches are padded to a multiple: few shapes to compile
 
 
+def _validation_data(
+    args: TrainArgs, tokenizer, data_hashes: list[dict]
+) -> tuple[list[Sequence], list[dict]]:
+    """The ``--val-data`` sequences and their files' hashes (none: empty)."""
+    if not args.val_data:
+        return [], []
+    hashes = [{"path": str(p), "sha256": sha256(p)} for p in args.val_data]
+    training = {h["sha256"] for h in data_hashes}
+    for h in hashes:
+        if h["sha256"] in training:
+            raise DSparkError(f"--val-data {h['path']} is also training data.")
+    sequences, report = load_sequences(args.val_data, tokenizer, args.seq_len)
+    _say(args, f"validation data: {report.summary()}")
+    return sequences, hashes
+
+
 def _split(count: int, val_sequences: int, seed: int) -> tuple[list[int], list[int]]:
     """Training and validation sequence indices: ``val_sequences`` chosen by
     the seed, held out of every training batch."""
@@ -555,7 +584,7 @@ def _all_sum(value: int, group: mx.distributed.Group) -> int:
 def _record(
     args, target_path, layer_ids, mask_token_id, inputs, data_hashes, report,
     vocab, state: LoopState, per_epoch: int, final: dict, processes: int,
-    start: StartDrafter | None,
+    start: StartDrafter | None, val_hashes: list[dict],
 ) -> dict:  # fmt: skip
     """``training_record.json``: arguments, data, throughput, metrics, and
     every run from the first one (``--init-from`` chains them)."""
@@ -580,6 +609,7 @@ def _record(
         "history_columns": ["step", *METRICS], "history": state.history,
         "validation_columns": ["step", "train_time_s", *METRICS],
         "validation": state.validation,
+        "validation_data": val_hashes,
         "init_from": init_from, "runs": runs,
         "total_steps": sum(r["steps"] for r in runs),
         "total_train_time_s": sum(r["train_time_s"] for r in runs),

@@ -34,6 +34,7 @@ from mlx_dspark.train import (
 )
 from mlx_dspark.training import teacher as teacher_module
 from mlx_dspark.training.batches import (
+    DraftVocabulary,
     frequent_tokens,
     make_batch,
     shard,
@@ -41,7 +42,7 @@ from mlx_dspark.training.batches import (
 )
 from mlx_dspark.training.loss import draft_logits, loss_terms
 from mlx_dspark.training.teacher import OnlineTeacher, TeacherStore
-from mlx_dspark.training.trainer import make_step, schedule
+from mlx_dspark.training.trainer import make_step, make_validation, schedule
 
 PROMPTS = [[1, 2, 3], [7, 8], [20, 4, 11, 9], [0], [13, 5, 5, 21, 2, 17]]
 
@@ -720,6 +721,46 @@ def test_validation_sequences_are_held_out_and_measured(setup, monkeypatch):
     assert rows[-1][2] < rows[0][2]  # held-out loss falls
     with pytest.raises(DSparkError, match="leaves no training data"):
         train(base_args(setup, "none_left", val_sequences=24))
+
+
+def test_validation_data_files_are_measured_through_their_own_store(setup, tmp_path):
+    """--val-data: the curve is measured on held-out files, through a teacher
+    store of their own; its last row is the exported drafter's loss on them."""
+    root, target_dir, model, tokenizer, data = setup
+    lines = data.read_text().splitlines(keepends=True)
+    train_file, val_file = tmp_path / "train.jsonl", tmp_path / "val.jsonl"
+    train_file.write_text("".join(lines[:18]))
+    val_file.write_text("".join(lines[18:]))
+    store = tmp_path / "store"
+    args = base_args(
+        setup, "val_data", data=[str(train_file)], val_data=[str(val_file)],
+        steps=8, val_every=4, teacher_store=str(store), draft_vocab=12,
+    )  # fmt: skip
+    result = train(args)
+    record = json.loads((result.out / "training_record.json").read_text())
+    assert [row[0] for row in record["validation"]] == [4, 8]
+    assert [h["path"] for h in record["validation_data"]] == [str(val_file)]
+    assert len(list(store.iterdir())) == 2  # training and validation stores
+
+    import mlx_dspark.train as train_module
+
+    _, _, drafter = load(target_dir, result.out)
+    val_sequences, _ = load_sequences([val_file], tokenizer, 64)
+    ids = np.asarray(drafter.draft_to_target)
+    to_draft = np.full(32, -1, np.int32)
+    to_draft[ids] = np.arange(len(ids))
+    vocab = DraftVocabulary(ids, to_draft, 1.0)
+    make = partial(train_module._make_batch, args, val_sequences, 31, vocab)
+    batches = train_module._validation_batches(
+        args, list(range(len(val_sequences))), make
+    )
+    teacher = OnlineTeacher(TargetAdapter(model, drafter.config.target_layer_ids), ids)
+    expected = make_validation(drafter, teacher, batches)()
+    assert np.allclose(record["validation"][-1][2:], expected, atol=2e-3)
+    with pytest.raises(DSparkError, match="also training data"):
+        train(base_args(setup, "same", val_data=[str(data)]))
+    with pytest.raises(DSparkError, match="not both"):
+        train(base_args(setup, "both", val_data=[str(val_file)], val_sequences=3))
 
 
 def test_shards_average_to_the_whole_batch(setup):

@@ -217,6 +217,15 @@ def build_parser(prog: str = "mlx_dspark.train") -> argparse.ArgumentParser:
         help="Sequences held out of training; their loss and expected accepted "
         "length (tau) are measured every --val-every steps into the record.",
     )
+    add(
+        "--val-data",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="Held-out files (the --data formats) measured every --val-every steps "
+        "instead of sequences split off the training data: text from prompts or "
+        "sources training never sees, so the curve shows what generalises.",
+    )
     add("--val-every", type=int, default=d.val_every, help="Steps between validations.")
     add("--quiet", action="store_true", help="No progress or messages.")
     return p
