@@ -365,6 +365,23 @@ class TargetAdapter:
             )
         return cache
 
+    def snapshot(self, cache: list) -> list[tuple[mx.array, mx.array]] | None:
+        """Every layer's cached keys and values, evaluated, to be reused by
+        later requests (:meth:`restore`); None for Gemma-4, whose sliding
+        windows keep only their last tokens."""
+        if self.is_gemma4:
+            return None
+        kv = [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in cache]
+        mx.eval(kv)
+        return kv
+
+    def restore(self, kv: list[tuple[mx.array, mx.array]], n: int) -> list:
+        """A new cache holding the first ``n`` tokens of a :meth:`snapshot`."""
+        cache = self.make_cache()
+        for c, (keys, values) in zip(cache, kv, strict=True):
+            c.update_and_fetch(keys[..., :n, :], values[..., :n, :])
+        return cache
+
     def rollback(self, cache: list | BatchRow, n: int) -> None:
         """Drop the last ``n`` tokens from every layer's cache."""
         if n <= 0:

@@ -335,6 +335,17 @@ def test_sampled_requests_exact_in_mixed_batches(pair_factory):
     [
         (["--help"], 0, "--draft-model"),
         (["--model", "x"], 1, "error: --model needs a DSpark --draft-model."),
+        (
+            ["--prompt-cache-bytes", "lots"],
+            1,
+            "error: --prompt-cache-bytes must be a size such as 500M or 2G, "
+            "got 'lots'.",
+        ),
+        (
+            ["--prompt-cache-size", "-1"],
+            1,
+            "error: --prompt-cache-size must be at least 0, got -1.",
+        ),
     ],
 )
 def test_module_entry_point(args, code, out):
@@ -423,6 +434,65 @@ def test_prompts_that_join_together_prefill_together(pair, expected):
     assert got == [expected[(p, 48)] for p in PROMPTS]
     assert len({len(p) for p in prompts}) > 1
     assert engine.stats.prefill_forwards < len(prompts)
+
+
+def test_prompt_cache_reuses_prefixes_and_stays_lossless(pair, expected):
+    """A prompt seen before prefills only its last token, one that extends it
+    only its new tokens, from the same keys, values and drafter features a
+    fresh prefill makes; outputs stay those of ``generate``; at most
+    ``prompt_cache_size`` prompts are kept."""
+    import mlx.core as mx
+
+    from mlx_dspark.serving.engine import RequestHandle
+
+    model, tokenizer, drafter, *_ = pair
+    base = tokenizer.encode(PROMPTS[2])
+    longer = tokenizer.encode(PROMPTS[2] + " t5 t6")
+    assert longer[: len(base)] == base and len(longer) > len(base)
+    want_longer = [
+        r.token
+        for r in stream_generate(model, tokenizer, drafter, longer, max_tokens=48)
+    ]
+    if want_longer[-1] in tokenizer.eos_token_ids:
+        want_longer.pop()
+    engine = BatchEngine(
+        model, tokenizer, drafter, EngineConfig(adaptive=False, prompt_cache_size=2)
+    )
+    engine.start()
+    cached = []
+    try:
+        for prompt in (base, base, longer):
+            before = engine.stats.prompt_tokens_cached
+            handle = engine.submit(GenerationRequest(prompt, max_tokens=48))
+            tokens, usage = [], None
+            while usage is None:
+                event = handle.events.get(timeout=60)
+                tokens += event.tokens
+                usage = event.usage
+            cached.append(engine.stats.prompt_tokens_cached - before)
+            assert usage["prompt_tokens_details"]["cached_tokens"] == cached[-1]
+            want = want_longer if prompt is longer else expected[(PROMPTS[2], 48)]
+            assert tokens == want
+        for other in PROMPTS[:2]:
+            run_engine(engine, [tokenizer.encode(other)], 4)
+    finally:
+        engine.stop()
+    assert cached == [0, len(base) - 1, len(base)]
+    assert engine.stats.drafts_accepted > 0
+    assert len(engine.prompt_cache) == 2
+
+    extended = tokenizer.encode(PROMPTS[1] + " t9 t10")  # PROMPTS[1] is cached
+    engine._admit(RequestHandle(GenerationRequest(extended, max_tokens=4)))
+    slot = engine._prefilling[-1]
+    reused = slot.prefilled
+    assert reused == len(tokenizer.encode(PROMPTS[1])) > 0
+    fresh = engine.target.make_cache()
+    _, features = engine.target.hidden(mx.array([extended[:reused]]), fresh)
+    assert mx.allclose(slot.unseen[0], features, atol=1e-5)
+    for mine, theirs in zip(slot.cache, fresh, strict=True):
+        assert mine.offset == theirs.offset == reused
+        for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
+            assert mx.allclose(a[..., :reused, :], b[..., :reused, :], atol=1e-5)
 
 
 def test_prefill_groups():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 
 import typer
@@ -60,6 +61,17 @@ def _cli(
     prefill_step_size: int = typer.Option(
         512, "--prefill-step-size", help="Prompt tokens per prefill forward."
     ),
+    prompt_cache_size: int = typer.Option(
+        10,
+        "--prompt-cache-size",
+        help="Most recent prompts whose caches are kept: a prompt that starts with "
+        "one prefills only the rest (0: none).",
+    ),
+    prompt_cache_bytes: str | None = typer.Option(
+        None,
+        "--prompt-cache-bytes",
+        help="Most bytes the prompt cache keeps, e.g. 500M or 2G (default: no limit).",
+    ),
     chat_template_args: str = typer.Option(
         "{}", "--chat-template-args", help="JSON object passed to the chat template."
     ),
@@ -106,6 +118,11 @@ def _cli(
         )
     if max_tokens < 1:
         raise DSparkError(f"--max-tokens must be at least 1, got {max_tokens}.")
+    if prompt_cache_size < 0:
+        raise DSparkError(
+            f"--prompt-cache-size must be at least 0, got {prompt_cache_size}."
+        )
+    cache_bytes = None if prompt_cache_bytes is None else _size(prompt_cache_bytes)
     if not 0 < port < 65536:
         raise DSparkError(f"--port must be in 1..65535, got {port}.")
     SamplingParams(temp, top_p, top_k, min_p)  # refuses bad defaults
@@ -152,6 +169,8 @@ def _cli(
             max_batch=max_batch,
             prefill_step_size=prefill_step_size,
             prior=prior,
+            prompt_cache_size=prompt_cache_size,
+            prompt_cache_bytes=cache_bytes,
         ),
     )
     settings = ServerSettings(
@@ -187,3 +206,14 @@ def main(argv: list[str] | None = None, prog: str = "mlx_dspark.server") -> None
 
 if __name__ == "__main__":
     main()
+
+
+def _size(text: str) -> int:
+    """Bytes from ``123``, ``500M``/``500MB`` or ``2G``/``2GB`` (as mlx-lm reads them)."""
+    units = {"": 1, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9}
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if match is None or match.group(2).upper() not in units:
+        raise DSparkError(
+            f"--prompt-cache-bytes must be a size such as 500M or 2G, got {text!r}."
+        )
+    return int(float(match.group(1)) * units[match.group(2).upper()])

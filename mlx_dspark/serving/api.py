@@ -640,8 +640,14 @@ def metrics_text(engine: BatchEngine) -> str:
         (
             "dspark_server_prompt_tokens_total",
             "counter",
-            "Prompt tokens prefilled.",
+            "Prompt tokens of the requests started (cached ones included).",
             s.prompt_tokens,
+        ),
+        (
+            "dspark_server_prompt_tokens_cached_total",
+            "counter",
+            "Prompt tokens reused from the prompt cache instead of prefilled.",
+            s.prompt_tokens_cached,
         ),
         (
             "dspark_server_generated_tokens_total",

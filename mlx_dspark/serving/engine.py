@@ -39,6 +39,7 @@ from ..scheduler import SchedulerSettings, StepRateCurve
 from ..settings import build_settings
 from ..target import BatchRow, RequestBatch, TargetAdapter
 from ..telemetry import Telemetry
+from .prompt_cache import CachedPrompt, PromptCache
 
 logger = logging.getLogger("mlx_dspark.server")
 
@@ -105,6 +106,7 @@ class _Slot:
     rng: np.random.Generator
     key: mx.array
     prefilled: int = 0  # prompt tokens in the cache so far
+    cached: int = 0  # of them, reused from the prompt cache
     produced: int = 0
     rounds: list[RoundStats] = field(default_factory=list)
     batch_sizes: int = 0  # sum over rounds of the batch each round ran in
@@ -128,6 +130,7 @@ class EngineStats:
     max_batch: int = 0
     prefill_forwards: int = 0
     prompt_tokens: int = 0
+    prompt_tokens_cached: int = 0  # of them, reused from the prompt cache
     generated_tokens: int = 0
     drafts_verified: int = 0
     drafts_accepted: int = 0
@@ -298,7 +301,8 @@ class EngineConfig:
     (DSPARK_* variables override them); no floor on verified drafts by
     default (``n_draft_min=0``), so Algorithm 1 alone decides, and critical
     memory pressure drops to plain decoding. ``adaptive``: skip drafting
-    in steps where it does not pay (:class:`DraftGate`)."""
+    in steps where it does not pay (:class:`DraftGate`). ``prompt_cache_size``
+    / ``prompt_cache_bytes``: the :class:`PromptCache` (0: none)."""
 
     num_draft: int | None = None
     max_batch: int = 8
@@ -308,6 +312,8 @@ class EngineConfig:
     )
     adaptive: bool = True
     prior: StepRateCurve | None = None
+    prompt_cache_size: int = 10
+    prompt_cache_bytes: int | None = None
 
 
 def _empty_proposal() -> Proposal:
@@ -396,6 +402,11 @@ class BatchEngine:
         self.policy.telemetry.policy = "auto" if self.n_max else "off"
         if found is not None:
             self.policy.telemetry.calibration = str(found[1])
+        self.prompt_cache = None
+        if self.config.prompt_cache_size > 0 and not self.target.is_gemma4:
+            self.prompt_cache = PromptCache(
+                self.config.prompt_cache_size, self.config.prompt_cache_bytes
+            )
         self.stats = EngineStats()
         self._waiting: deque[RequestHandle] = deque()
         self._active: list[_Slot] = []
@@ -504,6 +515,7 @@ class BatchEngine:
                 rng=np.random.default_rng(seed),
                 key=mx.random.key(seed),
             )
+            self._reuse_prompt(slot)
         except Exception as error:
             logger.exception("admission failed")
             self.stats.failed += 1
@@ -512,6 +524,31 @@ class BatchEngine:
             )
             return
         self._prefilling.append(slot)
+
+    def _reuse_prompt(self, slot: _Slot) -> None:
+        """Start from the cached prompt sharing the most leading tokens."""
+        hit = None if self.prompt_cache is None else self.prompt_cache.fetch(
+            slot.request.prompt
+        )  # fmt: skip
+        if hit is None:
+            return
+        reuse, entry = hit
+        slot.cache = self.target.restore(entry.kv, reuse)
+        if entry.features is not None:
+            slot.unseen.append(entry.features[:, :reuse])
+        slot.prefilled = slot.cached = reuse
+        self.stats.prompt_tokens_cached += reuse
+
+    def _remember_prompt(self, slot: _Slot) -> None:
+        """Keep a prefilled prompt's cache (before it joins the batch)."""
+        kv = self.target.snapshot(slot.cache)
+        if kv is None:
+            return
+        features = mx.concatenate(slot.unseen, axis=1) if slot.unseen else None
+        if features is not None:
+            mx.eval(features)
+        tokens = tuple(slot.request.prompt)
+        self.prompt_cache.insert(CachedPrompt(tokens, kv, features))
 
     def _prefill(self) -> None:
         """About one prefill chunk of prompt tokens between decode steps.
@@ -579,6 +616,8 @@ class BatchEngine:
         self._prefilling.remove(slot)
         slot.anchor, slot.start = anchor, len(request.prompt)
         self.stats.prompt_tokens += len(request.prompt)
+        if self.prompt_cache is not None:
+            self._remember_prompt(slot)
         if self.batch is not None:
             slot.cache = self.batch.join(slot.cache)
         self._active.append(slot)
@@ -761,6 +800,7 @@ class BatchEngine:
             "prompt_tokens": prompt,
             "completion_tokens": slot.produced,
             "total_tokens": prompt + slot.produced,
+            "prompt_tokens_details": {"cached_tokens": slot.cached},
             "dspark": {
                 "rounds": len(rounds),
                 "drafted": sum(r.drafted for r in rounds),
