@@ -238,19 +238,18 @@ def train(
 
     make = partial(_make_batch, args, sequences, mask_token_id, vocab)
     next_batch = _batches(args, train_ids, per_epoch, make, rank, size)
-    validate = None
-    if val_data and rank == 0:
+    val_teacher, val_make = teacher, make
+    if val_data and rank == 0:  # held-out files instead of a split
         val_teacher = _teacher(
             args, target, target_path, val_data, val_hashes, draft_ids,
             stage("validation store"),
         )  # fmt: skip
         val_make = partial(_make_batch, args, val_data, mask_token_id, vocab)
-        val_batches = _validation_batches(args, list(range(len(val_data))), val_make)
-        validate = make_validation(drafter, val_teacher, val_batches)
-    elif val_ids and rank == 0:
-        validate = make_validation(
-            drafter, teacher, _validation_batches(args, val_ids, make)
-        )
+        val_ids = list(range(len(val_data)))
+    val_batches = _validation_batches(args, val_ids, val_make) if rank == 0 else []
+    validate = (
+        make_validation(drafter, val_teacher, val_batches) if val_batches else None
+    )
     parallel = group if size > 1 else None
     status, final = optimise(
         make_step(drafter, optimizer, args.grad_clip, group=parallel), next_batch,

@@ -527,9 +527,9 @@ class BatchEngine:
 
     def _reuse_prompt(self, slot: _Slot) -> None:
         """Start from the cached prompt sharing the most leading tokens."""
-        hit = None if self.prompt_cache is None else self.prompt_cache.fetch(
-            slot.request.prompt
-        )  # fmt: skip
+        if self.prompt_cache is None:
+            return
+        hit = self.prompt_cache.fetch(slot.request.prompt)
         if hit is None:
             return
         reuse, entry = hit

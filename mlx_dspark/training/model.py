@@ -197,13 +197,22 @@ _SHAPE_FLAGS = {
 }
 
 
+_TARGET_SHAPE = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "num_target_layers",
+)
+
+
 def check_same_shape(config: DraftConfig, trained: DraftConfig, path: Path) -> None:
     """Refuse to start from a drafter of another shape than the flags ask for."""
     mine, theirs = config.to_dict(), trained.to_dict()
     differ = [
-        k
-        for k in sorted(set(mine) | set(theirs))
-        if k not in ("quantization", "num_anchors") and mine.get(k) != theirs.get(k)
+        k for k in (*_SHAPE_FLAGS, *_TARGET_SHAPE) if mine.get(k) != theirs.get(k)
     ]
     if not differ:
         return
