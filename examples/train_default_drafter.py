@@ -24,13 +24,14 @@ Steps (each is skipped when its output already exists, so a rerun resumes):
    last one stopped.
    ``--regen-minutes M`` stops starting shards after M minutes; training then
    uses the shards that exist. ``--data-only`` stops after this step.
-4. ``mlx_dspark.train`` on the target's answers (flags below: 1 layer started
-   from the target's top layer, vanilla TSH rank 64, block 7, a 4096-token
-   draft vocabulary, 64 anchors an answer, ten answers a step, the
-   target's features and distributions computed once into a teacher store),
-   written 4-bit; then ``mlx_dspark.calibrate`` on
-   held-out prompts writes the STS calibration. The plain text only seeds the
-   "explain" and "summary" prompts.
+4. ``mlx_dspark.train`` on the target's answers and on the standard-library
+   code and docstrings as plain text (the target's distributions over text
+   people continue; flags below: 1 layer started from the target's top layer,
+   vanilla TSH rank 64, block 7, a 4096-token draft vocabulary, 64 anchors a
+   sequence, ten sequences a step, the target's features and distributions
+   computed once into a teacher store), written 4-bit; then
+   ``mlx_dspark.calibrate`` on held-out prompts writes the STS calibration.
+   The book passages only seed "summary" prompts.
 5. ``--install`` copies it into ``mlx_dspark/assets/default_drafter/``.
 6. ``--ablation`` also trains the vanilla, gated, rnn and no-TSH heads with one
    smaller budget (``ABLATION_STEPS``) and measures them on the held-out sets.
@@ -91,12 +92,15 @@ COMMON_FLAGS = [
     "--log-every", "5",
     "--seed", "0",
 ]  # fmt: skip
-# Ten answers a step, 64 anchors each (the sweep's fastest riser: most
+# Ten sequences a step, 64 anchors each (the sweep's fastest riser: most
 # answers are shorter than 160 tokens, so 64 anchors leave fewer slots empty),
-# about eight epochs from a teacher store (one target pass over the data, then
-# steps never run the target); 24 answers held out as a validation curve.
+# about six epochs from a teacher store (one target pass over the data, then
+# steps never run the target); 24 sequences held out as a validation curve.
+# Held-out code and prose are continuations of plain text, so the plain code
+# and docstrings train beside the chat answers.
+PLAIN_TEXT = ("stdlib.txt", "docstrings.txt")
 TRAIN_FLAGS = [*COMMON_FLAGS, "--markov-head", "vanilla", "--batch-size", "10",
-               "--anchors", "64", "--steps", "800", "--lr", "1.5e-3",
+               "--anchors", "64", "--steps", "1000", "--lr", "1.5e-3",
                "--val-sequences", "24", "--val-every", "100"]  # fmt: skip
 # 34 rounds from each of the 36 prompts: STS fitted on two thirds of them and
 # reported on the others (``mlx_dspark.calibrate``).
@@ -531,9 +535,10 @@ def main() -> None:
     if args.data_only:
         return
     answers = sorted(regen_dir.glob("t*.jsonl.gz"))
+    text = [work / "corpus" / name for name in PLAIN_TEXT]
     drafter = work / "drafter"
     store = ["--teacher-store", str(work / "teacher")]
-    train(target, answers, drafter, [*TRAIN_FLAGS, *store], env)
+    train(target, [*answers, *text], drafter, [*TRAIN_FLAGS, *store], env)
     if not (drafter / "dspark_calibration.json").exists():
         run(
             [sys.executable, "-m", "mlx_dspark.calibrate", "--model", str(target), "--draft-model",
