@@ -26,6 +26,11 @@ tokenizer's ``encode`` and answers token-id lists with HTTP 404.
     python examples/server_benchmark.py --pairs demo --clients 1 2 --requests 1
     python examples/server_benchmark.py --pairs demo --clients 8 --requests 40 \\
         --max-tokens 16 --no-mlx-lm                      # a load test
+    python examples/server_benchmark.py --pairs default --clients 4 8 \\
+        --no-cache-column                                # what the prompt cache gives
+
+``--no-cache-column`` adds DSpark off with ``--prompt-cache-size 0`` as a
+fourth server, in the same rotation.
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ PROMPTS = [
 ]
 # Text for the demo pair's word-level tokenizer: "t7" is token 7.
 DEMO_PROMPTS = ["t1 t2 t3", "t7 t8", "t20 t4 t11 t9", "t0", "t13 t5 t5 t21 t2 t17"]
-MODES = ("dspark", "plain", "mlx_lm")
+MODES = ("dspark", "plain", "plain_no_cache", "mlx_lm")
 # Starts mlx_lm.server after mlx_dspark has loaded the system OpenBLAS.
 MLX_LM_SERVER = (
     "import mlx_dspark, runpy, sys; sys.argv[0] = 'mlx_lm.server'; "
@@ -159,8 +164,10 @@ def server_command(mode: str, target: str, draft: str, port: int, args) -> list[
     command = [sys.executable, "-m", "mlx_dspark.server", "--model", str(target),
                "--draft-model", str(draft), "--decode-concurrency",
                str(max(args.clients)), *address]  # fmt: skip
-    if mode == "plain":
+    if mode in ("plain", "plain_no_cache"):
         command += ["--dspark-n-draft", "0"]
+    if mode == "plain_no_cache":
+        command += ["--prompt-cache-size", "0"]
     elif args.always_draft:
         command.append("--no-dspark-adaptive")
     return command
@@ -230,7 +237,8 @@ def measure_pair(name: str, args, log) -> list[dict]:
     rotates each trial (no mode always runs first, right after another's
     load), each mode's throughput the median of its trials."""
     target, draft, prompts, chat = pair_paths(name, args)
-    modes = ["dspark", "plain"] + ([] if args.no_mlx_lm else ["mlx_lm"])
+    modes = ["dspark", "plain"] + (["plain_no_cache"] if args.no_cache_column else [])
+    modes += [] if args.no_mlx_lm else ["mlx_lm"]
     servers: dict[str, tuple[subprocess.Popen, int]] = {}
     replies: dict[str, str] = {}
     rows = []
@@ -258,7 +266,8 @@ def measure_pair(name: str, args, log) -> list[dict]:
                             f"{name} {mode} at {clients} clients: {result['errors'][:3]}"
                         )
                     runs[mode].append(result)
-            for mode in ("dspark", "plain"):  # ours first: they define the replies
+            ours = [m for m in modes if m != "mlx_lm"]
+            for mode in ours:  # they define the replies
                 for result in runs[mode]:
                     for prompt, text in result.pop("texts"):
                         if replies.setdefault(prompt, text) != text:
@@ -290,9 +299,11 @@ def summary(row: dict) -> dict:
 
 def print_table(rows: list[dict], args) -> None:
     modes = [m for m in MODES if m in rows[0]]
-    names = {"dspark": "DSpark", "plain": "DSpark off", "mlx_lm": "`mlx_lm.server`"}
+    names = {"dspark": "DSpark", "plain": "DSpark off",
+             "plain_no_cache": "off, no prompt cache", "mlx_lm": "`mlx_lm.server`"}  # fmt: skip
     header = ["pair", "clients"] + [f"{names[m]} tok/s (p50 s)" for m in modes]
     header += ["DSpark / off"] + (["DSpark / mlx_lm"] if "mlx_lm" in modes else [])
+    header += ["off / no cache"] if "plain_no_cache" in modes else []
     header += ["mean batch"] + (["mlx_lm same text"] if "mlx_lm" in modes else [])
     print("\n| " + " | ".join(header) + " |")
     print("|---" * len(header) + "|")
@@ -302,12 +313,15 @@ def print_table(rows: list[dict], args) -> None:
         cells.append(f"{row['dspark']['tok_s'] / row['plain']['tok_s']:.2f}x")
         if "mlx_lm" in modes:
             cells.append(f"{row['dspark']['tok_s'] / row['mlx_lm']['tok_s']:.2f}x")
+        if "plain_no_cache" in modes:
+            ratio = row["plain"]["tok_s"] / row["plain_no_cache"]["tok_s"]
+            cells.append(f"{ratio:.2f}x")
         cells.append(f"{row['dspark']['mean_batch']:.2f}")
         if "mlx_lm" in modes:
             m = row["mlx_lm"]
             cells.append(f"{m['same_as_dspark']}/{m['requests']}")
         print("| " + " | ".join(cells) + " |")
-    ours = sum(row[m]["requests"] for row in rows for m in ("dspark", "plain"))
+    ours = sum(row[m]["requests"] for row in rows for m in modes if m != "mlx_lm")
     print(
         f"\n{ours} requests to our servers, none lost or corrupted (greedy replies "
         f"identical per prompt); {args.requests} per client, max_tokens "
@@ -335,6 +349,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--no-mlx-lm", action="store_true", help="Skip the mlx_lm.server column."
+    )
+    parser.add_argument(
+        "--no-cache-column",
+        action="store_true",
+        help="Also run DSpark off with --prompt-cache-size 0.",
     )
     parser.add_argument(
         "--server-log",
