@@ -365,13 +365,32 @@ class TargetAdapter:
             )
         return cache
 
-    def snapshot(self, cache: list) -> list[tuple[mx.array, mx.array]] | None:
-        """Every layer's cached keys and values, evaluated, to be reused by
-        later requests (:meth:`restore`); None for Gemma-4, whose sliding
-        windows keep only their last tokens."""
+    def snapshot(
+        self, cache: list | BatchRow
+    ) -> list[tuple[mx.array, mx.array]] | None:
+        """A copy of every layer's cached keys and values, evaluated, to be
+        reused by later requests (:meth:`restore`); None for Gemma-4, whose
+        sliding windows keep only their last tokens."""
         if self.is_gemma4:
             return None
-        kv = [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in cache]
+        if isinstance(cache, BatchRow):
+            batch = cache.batch
+            batch.settle()
+            r = batch.rows.index(cache)
+            start = int(batch.layers[0].left_padding[r].item())
+            kv = [
+                (
+                    c.keys[r : r + 1, :, start : c._idx],
+                    c.values[r : r + 1, :, start : c._idx],
+                )
+                for c in batch.layers
+            ]
+        else:
+            kv = [
+                (c.keys[..., : c.offset, :], c.values[..., : c.offset, :])
+                for c in cache
+            ]
+        kv = [(mx.contiguous(k), mx.contiguous(v)) for k, v in kv]
         mx.eval(kv)
         return kv
 

@@ -495,6 +495,62 @@ def test_prompt_cache_reuses_prefixes_and_stays_lossless(pair, expected):
             assert mx.allclose(a[..., :reused, :], b[..., :reused, :], atol=1e-5)
 
 
+def test_prompt_cache_keeps_the_answer_for_the_next_turn(pair):
+    """A finished request leaves its prompt and answer in the cache: a next
+    prompt that repeats both (a chat's next turn) prefills only what is new,
+    from the keys, values and features a fresh prefill makes, and its output
+    stays that of ``generate``."""
+    import mlx.core as mx
+
+    model, tokenizer, drafter, *_ = pair
+    first = tokenizer.encode(PROMPTS[4])
+    engine = BatchEngine(
+        model, tokenizer, drafter, EngineConfig(adaptive=False, prompt_cache_size=4)
+    )
+    engine.start()
+    try:
+        # Beside shorter prompts: rows of the batch are left-padded.
+        others = [tokenizer.encode(p) for p in PROMPTS[1:3]]
+        answer, *_ = run_engine(engine, [first, *others], 12)
+        assert answer[-1] not in tokenizer.eos_token_ids
+        turn = [*first, *answer, *tokenizer.encode(PROMPTS[0])]
+        want = [
+            r.token
+            for r in stream_generate(model, tokenizer, drafter, turn, max_tokens=24)
+        ]
+        if want[-1] in tokenizer.eos_token_ids:
+            want.pop()
+        before = engine.stats.prompt_tokens_cached
+        (tokens,) = run_engine(engine, [turn], 24)
+        reused = engine.stats.prompt_tokens_cached - before
+    finally:
+        engine.stop()
+    assert tokens == want
+    assert engine.stats.drafts_accepted > 0
+    # Everything the first request's cache held: its prompt and every answer
+    # token but the last (which no forward has seen yet).
+    assert len(first) + len(answer) - 1 <= reused < len(turn)
+    # An entry that another extends is dropped: the prompts', and the first
+    # conversation's (the second turn's extends it).
+    assert sorted(len(t) for t in engine.prompt_cache._entries) == sorted(
+        [len(turn) + len(tokens) - 1, *(len(p) + 11 for p in others)]
+    )
+
+    # Each entry (prompt and answer) holds what a fresh prefill of its tokens
+    # makes, the answer's drafted and verified tokens included.
+    for entry in engine.prompt_cache._entries.values():
+        fresh = engine.target.make_cache()
+        _, features = engine.target.hidden(mx.array([entry.tokens]), fresh)
+        assert entry.features.shape == features.shape
+        assert mx.allclose(entry.features, features, atol=1e-4)
+        for (keys, values), theirs in zip(entry.kv, fresh, strict=True):
+            assert keys.shape[2] == theirs.offset == len(entry.tokens)
+            assert mx.allclose(keys, theirs.keys[..., : theirs.offset, :], atol=1e-4)
+            assert mx.allclose(
+                values, theirs.values[..., : theirs.offset, :], atol=1e-4
+            )
+
+
 def test_prefill_groups():
     """Chunks share a forward while padding to the longest stays within 1.5
     times the real tokens."""

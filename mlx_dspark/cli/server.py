@@ -64,8 +64,8 @@ def _cli(
     prompt_cache_size: int = typer.Option(
         10,
         "--prompt-cache-size",
-        help="Most recent prompts whose caches are kept: a prompt that starts with "
-        "one prefills only the rest (0: none).",
+        help="Most recent prompts (with their answers) whose caches are kept: a "
+        "prompt that starts with one prefills only the rest (0: none).",
     ),
     prompt_cache_bytes: str | None = typer.Option(
         None,

@@ -111,6 +111,9 @@ class _Slot:
     rounds: list[RoundStats] = field(default_factory=list)
     batch_sizes: int = 0  # sum over rounds of the batch each round ran in
     done: bool = False
+    # For the prompt cache: the tokens in the target cache and their features.
+    context: list[int] = field(default_factory=list)
+    context_features: list = field(default_factory=list)
 
     @property
     def request(self) -> GenerationRequest:
@@ -539,16 +542,20 @@ class BatchEngine:
         slot.prefilled = slot.cached = reuse
         self.stats.prompt_tokens_cached += reuse
 
-    def _remember_prompt(self, slot: _Slot) -> None:
-        """Keep a prefilled prompt's cache (before it joins the batch)."""
+    def _remember(self, slot: _Slot) -> None:
+        """Keep the request's target cache so far, with its tokens and
+        features: after its prefill (before it joins the batch), and when it
+        finishes, so that a chat's next turn reuses the answer as well."""
         kv = self.target.snapshot(slot.cache)
         if kv is None:
             return
-        features = mx.concatenate(slot.unseen, axis=1) if slot.unseen else None
+        features = slot.context_features
+        features = mx.concatenate(features, axis=1) if features else None
         if features is not None:
             mx.eval(features)
-        tokens = tuple(slot.request.prompt)
-        self.prompt_cache.insert(CachedPrompt(tokens, kv, features))
+            slot.context_features = [features]
+        entry = CachedPrompt(tuple(slot.context), kv, features)
+        self.prompt_cache.insert(entry)
 
     def _prefill(self) -> None:
         """About one prefill chunk of prompt tokens between decode steps.
@@ -617,7 +624,9 @@ class BatchEngine:
         slot.anchor, slot.start = anchor, len(request.prompt)
         self.stats.prompt_tokens += len(request.prompt)
         if self.prompt_cache is not None:
-            self._remember_prompt(slot)
+            slot.context = list(request.prompt)
+            slot.context_features = list(slot.unseen)
+            self._remember(slot)
         if self.batch is not None:
             slot.cache = self.batch.join(slot.cache)
         self._active.append(slot)
@@ -668,7 +677,7 @@ class BatchEngine:
         self.stats.target_forwards += 1
         self.stats.request_rounds += len(slots)
         self.stats.max_batch = max(self.stats.max_batch, len(slots))
-        committed_now = 0
+        committed_now, kept = 0, []
         for slot, c, proposal, chain, (logits, features) in zip(
             slots, caps, proposals, drafts, outputs, strict=True
         ):
@@ -684,6 +693,11 @@ class BatchEngine:
                 slot.rng,
             )
             tokens = [*chain[: result.accepted], result.next_token]
+            if self.prompt_cache is not None:
+                slot.context += [slot.anchor, *tokens[:-1]]
+                if committed is not None:
+                    kept.append(mx.contiguous(committed))
+                    slot.context_features.append(kept[-1])
             logprobs = None
             if slot.request.logprobs:
                 logprobs = _token_logprobs(logits[0, : len(tokens)], tokens)
@@ -706,6 +720,7 @@ class BatchEngine:
             self.stats.drafts_accepted += result.accepted
             committed_now += len(tokens)
             self._emit(slot, tokens, logprobs)
+        mx.eval(kept)  # copies: the step's whole features are not kept alive
         if gate is not None and self.n_max:
             seconds = time.perf_counter() - tic
             gate.record(len(slots), committed_now, seconds, any(caps))
@@ -827,10 +842,13 @@ class BatchEngine:
         else:
             self.stats.finished += 1
         usage = self.usage(slot)
+        if self.prompt_cache is not None and reason in ("stop", "length"):
+            self._remember(slot)
         if isinstance(slot.cache, BatchRow):
             slot.cache.batch.leave(slot.cache)
         # Free the caches now, not when the caller drops its handle.
         slot.cache, slot.draft_cache, slot.unseen = [], None, []
+        slot.context_features = []
         self.stats.active = len(self._active)
         slot.handle.events.put(
             Event([], finish_reason=reason, usage=usage, error=error)

@@ -2,7 +2,8 @@
 
 A chat client sends the whole conversation every turn, and clients often
 repeat a system prompt: the tokens a new prompt shares with a cached one need
-no prefill. Like ``mlx_lm.server``'s prompt cache, entries are kept least
+no prefill. The engine keeps a request's prompt when its prefill ends and its
+prompt and answer when it finishes, so a chat's next turn reuses the answer. Like ``mlx_lm.server``'s prompt cache, entries are kept least
 recently used first out, within a count and a byte budget. An entry also keeps
 the target's tapped features of its tokens, which the drafter's context needs.
 """
@@ -72,7 +73,12 @@ class PromptCache:
         return reuse, best
 
     def insert(self, entry: CachedPrompt) -> None:
-        self._entries.pop(entry.tokens, None)
+        """Add ``entry``, dropping the entries it extends (any prompt they
+        would serve, it serves as well)."""
+        n = len(entry.tokens)
+        for tokens in list(self._entries):
+            if len(tokens) <= n and entry.tokens[: len(tokens)] == tokens:
+                del self._entries[tokens]
         self._entries[entry.tokens] = entry
         while len(self._entries) > self.max_size or (
             self.max_bytes is not None
