@@ -2,10 +2,11 @@
 
 A chat client sends the whole conversation every turn, and clients often
 repeat a system prompt: the tokens a new prompt shares with a cached one need
-no prefill. The engine keeps a request's prompt when its prefill ends and its
-prompt and answer when it finishes, so a chat's next turn reuses the answer. Like ``mlx_lm.server``'s prompt cache, entries are kept least
-recently used first out, within a count and a byte budget. An entry also keeps
-the target's tapped features of its tokens, which the drafter's context needs.
+no prefill. The engine keeps a request's prompt when its prefill ends, and its
+prompt and answer when it finishes, so a chat's next turn reuses the answer.
+Like ``mlx_lm.server``'s prompt cache, entries are kept least recently used
+first out, within a count and a byte budget. An entry also keeps the target's
+tapped features of its tokens, which the drafter's context needs.
 """
 
 from __future__ import annotations
