@@ -35,6 +35,7 @@ CHAT = [
     "Write a short poem about autumn leaves.",
     "How do I make a cup of green tea?",
 ]
+EVALUATED_MODULES = 32
 SKIP = ("test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages")
 
 
@@ -54,7 +55,8 @@ def held_out_sets(tokenizer, count: int, prefix_tokens: int) -> dict[str, list]:
         for q in CHAT[:count]
     ]
     code, prose = [], []
-    for path in held_out_modules():
+    # The modules from EVALUATED_MODULES on are the recipe's validation text.
+    for path in held_out_modules()[:EVALUATED_MODULES]:
         text = path.read_text(encoding="utf-8", errors="replace")
         tokens = tokenizer.encode(text)
         if len(tokens) > 4 * prefix_tokens and len(code) < count:

@@ -69,6 +69,7 @@ import mlx_dspark  # noqa: F401  (first: it loads a system OpenBLAS before mlx.c
 # isort: on
 from drafter_prompts import build_prompts
 from eval_default_pair import CHAT as HELD_OUT_CHAT
+from eval_default_pair import EVALUATED_MODULES, held_out_modules
 from plot_learning_curves import curve
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
@@ -95,13 +96,38 @@ COMMON_FLAGS = [
 # Ten sequences a step, 64 anchors each (the sweep's fastest riser: most
 # answers are shorter than 160 tokens, so 64 anchors leave fewer slots empty),
 # about six epochs from a teacher store (one target pass over the data, then
-# steps never run the target); 24 sequences held out as a validation curve.
+# steps never run the target); the validation curve on VALIDATION files.
 # Held-out code and prose are continuations of plain text, so the plain code
 # and docstrings train beside the chat answers.
 PLAIN_TEXT = ("stdlib.txt", "docstrings.txt")
 TRAIN_FLAGS = [*COMMON_FLAGS, "--markov-head", "vanilla", "--batch-size", "10",
                "--anchors", "64", "--steps", "1000", "--lr", "1.5e-3",
-               "--val-sequences", "24", "--val-every", "100"]  # fmt: skip
+               "--val-every", "100"]  # fmt: skip
+# Validation (``--val-data``): the target's T=0 answers to questions no
+# template writes, and code and docstrings of held-out modules the evaluation
+# never reads (``held_out_modules()[EVALUATED_MODULES:]``). A split of the
+# templated answers flatters a drafter that learns its templates: the drafter
+# shipped before reached validation tau 1.61 on one, against 1.2-1.35 accepted
+# tokens a round on held-out prompts.
+VALIDATION_CHAT = (
+    "How do I get candle wax out of a tablecloth?",
+    "What is the difference between weather and climate?",
+    "Write a short story about a cat who is afraid of mice.",
+    "Why do leaves change colour in the autumn?",
+    "How can I start learning to play the guitar as an adult?",
+    "What makes a bridge strong enough to carry trucks?",
+    "What are some good habits for keeping a tidy desk?",
+    "In Python, how can I tell whether a word reads the same backwards?",
+    "What does the Python with statement do when a file is opened?",
+    "What is a race condition in concurrent programs?",
+    "Why does my Python loop over a dictionary raise an error when I delete keys inside it?",
+    "How do I sort a list of tuples by their second element in Python?",
+    "A train travels 180 km in 2 hours and 15 minutes. What is its average speed?",
+    "If three notebooks cost 7.50 dollars, how much do eight notebooks cost?",
+    "Give me tips for a first visit to a farmers' market.",
+    "What should I do if my houseplant's leaves turn yellow?",
+)
+VALIDATION_CODE_CHARS, VALIDATION_DOC_CHARS = 40_000, 20_000
 # 34 rounds from each of the 36 prompts: STS fitted on two thirds of them and
 # reported on the others (``mlx_dspark.calibrate``).
 CALIBRATE_FLAGS = ["--rounds", "1224", "--max-tokens", "96"]
@@ -145,8 +171,8 @@ CALIBRATION_PROMPTS = (
     "Convert 72 degrees Fahrenheit to Celsius and explain the formula.",
     "What is the probability of rolling two sixes with two dice?",
 )
-# Never trained on: the evaluation and calibration questions.
-HELD_OUT_PROMPTS = (*HELD_OUT_CHAT, *CALIBRATION_PROMPTS)
+# Never trained on: the evaluation, calibration and validation questions.
+HELD_OUT_PROMPTS = (*HELD_OUT_CHAT, *CALIBRATION_PROMPTS, *VALIDATION_CHAT)
 ABLATION_STEPS, ABLATION_BATCH = 40, 4
 # ``--sweep``: each variant changes the previous recipe (SWEEP_BASE: 4 answers
 # x 160 anchors a step) in one way and
@@ -432,6 +458,35 @@ def calibration_prompts(work: Path) -> Path:
     return path
 
 
+def validation_files(target: Path, work: Path) -> list[Path]:
+    """``chat/`` (the target's T=0 answers to VALIDATION_CHAT), ``code.txt`` and
+    ``docstrings.txt`` (held-out modules the evaluation never reads)."""
+    out = work / "validation"
+    chat = out / "chat"
+    if not chat.exists():
+        from mlx_lm import load
+
+        from mlx_dspark.data import regenerate_shards
+
+        model, tokenizer = load(str(target))
+        staging = out / "chat.tmp"
+        regenerate_shards(
+            [chat_tokens(tokenizer, q) for q in VALIDATION_CHAT], model, tokenizer,
+            staging, shard_size=len(VALIDATION_CHAT), temperatures=(0.0,),
+            max_tokens=REGEN_MAX_TOKENS,
+        )  # fmt: skip
+        staging.rename(chat)
+    code_file, doc_file = out / "code.txt", out / "docstrings.txt"
+    if not doc_file.exists():
+        modules = held_out_modules()[EVALUATED_MODULES:]
+        code = [p.read_text(encoding="utf-8", errors="replace") for p in modules]
+        code_file.write_text("\n\n".join(code)[:VALIDATION_CODE_CHARS])
+        tmp = doc_file.with_suffix(".tmp")
+        tmp.write_text("\n\n".join(docstrings(code))[:VALIDATION_DOC_CHARS])
+        tmp.rename(doc_file)
+    return [*sorted(chat.glob("*.jsonl.gz")), code_file, doc_file]
+
+
 def train(
     target: Path, files: list[Path], out: Path, flags: list[str], env: dict
 ) -> None:
@@ -538,7 +593,8 @@ def main() -> None:
     text = [work / "corpus" / name for name in PLAIN_TEXT]
     drafter = work / "drafter"
     store = ["--teacher-store", str(work / "teacher")]
-    train(target, [*answers, *text], drafter, [*TRAIN_FLAGS, *store], env)
+    validation = ["--val-data", *map(str, validation_files(target, work))]
+    train(target, [*answers, *text], drafter, [*TRAIN_FLAGS, *validation, *store], env)
     if not (drafter / "dspark_calibration.json").exists():
         run(
             [sys.executable, "-m", "mlx_dspark.calibrate", "--model", str(target), "--draft-model",
