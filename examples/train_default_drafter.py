@@ -29,7 +29,8 @@ Steps (each is skipped when its output already exists, so a rerun resumes):
    people continue; flags below: 1 layer started from the target's top layer,
    vanilla TSH rank 64, block 7, a 4096-token draft vocabulary, 64 anchors a
    sequence, ten sequences a step, the target's features and distributions
-   computed once into a teacher store), written 4-bit; then
+   computed once into a teacher store), validated every 100 steps on
+   held-out files (:func:`validation_files`), written 4-bit; then
    ``mlx_dspark.calibrate`` on held-out prompts writes the STS calibration.
    The book passages only seed "summary" prompts.
 5. ``--install`` copies it into ``mlx_dspark/assets/default_drafter/``.
@@ -96,7 +97,7 @@ COMMON_FLAGS = [
 # Ten sequences a step, 64 anchors each (the sweep's fastest riser: most
 # answers are shorter than 160 tokens, so 64 anchors leave fewer slots empty),
 # about six epochs from a teacher store (one target pass over the data, then
-# steps never run the target); the validation curve on VALIDATION files.
+# steps never run the target); validated on held-out files (below).
 # Held-out code and prose are continuations of plain text, so the plain code
 # and docstrings train beside the chat answers.
 PLAIN_TEXT = ("stdlib.txt", "docstrings.txt")
