@@ -29,10 +29,14 @@ Steps (each is skipped when its output already exists, so a rerun resumes):
    people continue; flags below: 1 layer started from the target's top layer,
    vanilla TSH rank 64, block 7, a 4096-token draft vocabulary, 64 anchors a
    sequence, ten sequences a step, the target's features and distributions
-   computed once into a teacher store), validated every 100 steps on
-   held-out files (:func:`validation_files`), written 4-bit; then
-   ``mlx_dspark.calibrate`` on held-out prompts writes the STS calibration.
-   The book passages only seed "summary" prompts.
+   computed once into a teacher store), written 4-bit to ``drafter/``. Then
+   a second stage continues it (``--init-from``) on data the first never saw
+   (``SECOND_STAGE``: later answer shards, the code and docstrings that follow
+   the first stage's), validated on held-out files (:func:`validation_files`),
+   into ``drafter-2/``: training adds up across sessions, and each stage's
+   teacher store covers only its own data. ``mlx_dspark.calibrate`` on
+   held-out prompts writes the last stage's STS calibration. The book passages
+   only seed "summary" prompts.
 5. ``--install`` copies it into ``mlx_dspark/assets/default_drafter/``.
 6. ``--ablation`` also trains the vanilla, gated, rnn and no-TSH heads with one
    smaller budget (``ABLATION_STEPS``) and measures them on the held-out sets.
@@ -87,7 +91,6 @@ COMMON_FLAGS = [
     "--block-size", "7",
     "--draft-vocab", "4096",
     "--seq-len", str(SEQ_LEN),
-    "--init-from-target",
     "--dtype", "float32",
     "--quantize-bits", "4",
     "--checkpoint-every", "20",
@@ -97,13 +100,24 @@ COMMON_FLAGS = [
 # Ten sequences a step, 64 anchors each (the sweep's fastest riser: most
 # answers are shorter than 160 tokens, so 64 anchors leave fewer slots empty),
 # about six epochs from a teacher store (one target pass over the data, then
-# steps never run the target); validated on held-out files (below).
+# steps never run the target); 24 sequences held out as a validation curve.
 # Held-out code and prose are continuations of plain text, so the plain code
 # and docstrings train beside the chat answers.
+FIRST_SHARDS = (*(f"t000-{i:04d}" for i in range(9)),
+                *(f"t070-{i:04d}" for i in range(8)))  # fmt: skip
 PLAIN_TEXT = ("stdlib.txt", "docstrings.txt")
-TRAIN_FLAGS = [*COMMON_FLAGS, "--markov-head", "vanilla", "--batch-size", "10",
-               "--anchors", "64", "--steps", "1000", "--lr", "1.5e-3",
-               "--val-every", "100"]  # fmt: skip
+TRAIN_FLAGS = [*COMMON_FLAGS, "--init-from-target", "--markov-head", "vanilla",
+               "--batch-size", "10", "--anchors", "64", "--steps", "1000",
+               "--lr", "1.5e-3", "--val-sequences", "24", "--val-every", "100"]  # fmt: skip
+# The second stage: answer shards regenerated after the first stage and the
+# plain text that follows its own in the same shuffled module order, about
+# three epochs at a lower learning rate, from the first stage's drafter.
+SECOND_SHARDS = ("t000-0009", "t070-0008")
+MORE_CODE_CHARS, MORE_DOC_CHARS = 200_000, 200_000
+SECOND_TEXT = ("stdlib-2.txt", "docstrings-2.txt")
+SECOND_STAGE_FLAGS = [*COMMON_FLAGS, "--markov-head", "vanilla", "--batch-size", "10",
+                      "--anchors", "64", "--steps", "160", "--lr", "1e-3",
+                      "--val-every", "40"]  # fmt: skip
 # Validation (``--val-data``): the target's T=0 answers to questions no
 # template writes, and code and docstrings of held-out modules the evaluation
 # never reads (``held_out_modules()[EVALUATED_MODULES:]``). A split of the
@@ -182,7 +196,8 @@ ABLATION_STEPS, ABLATION_BATCH = 40, 4
 # more work on 2 cores than one run with both), measuring the same 24
 # held-out answers every 20 steps.
 SWEEP_STEPS = 100
-SWEEP_BASE = [*COMMON_FLAGS, "--markov-head", "vanilla", "--batch-size", "4",
+SWEEP_BASE = [*COMMON_FLAGS, "--init-from-target", "--markov-head", "vanilla",
+              "--batch-size", "4",
               "--anchors", "160", "--lr", "1.5e-3", "--val-sequences", "24"]  # fmt: skip
 SWEEP = {
     "base": [],
@@ -274,6 +289,12 @@ def training_modules() -> list[Path]:
     )
 
 
+def shuffled_modules(rng: random.Random) -> list[str]:
+    code = [p.read_text(encoding="utf-8", errors="replace") for p in training_modules()]
+    rng.shuffle(code)
+    return code
+
+
 def docstrings(texts: list[str]) -> list[str]:
     docs = []
     for text in texts:
@@ -306,8 +327,7 @@ def corpus(work: Path, seed: int) -> list[Path]:
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     rng = random.Random(seed)
-    code = [p.read_text(encoding="utf-8", errors="replace") for p in training_modules()]
-    rng.shuffle(code)
+    code = shuffled_modules(rng)
     docs = docstrings(code)
     books = book_texts(work, 3_000_000)
     (staging / "stdlib.txt").write_text("\n\n".join(code)[:CODE_CHARS])
@@ -459,6 +479,24 @@ def calibration_prompts(work: Path) -> Path:
     return path
 
 
+def second_text(work: Path, seed: int) -> list[Path]:
+    """The second stage's plain text: the code and docstrings that follow the
+    first stage's (``corpus/stdlib.txt``, ``corpus/docstrings.txt``)."""
+    paths = [work / "corpus" / name for name in SECOND_TEXT]
+    if all(p.exists() for p in paths):
+        return paths
+    code = shuffled_modules(random.Random(seed))  # the order corpus() drew
+    texts = (
+        "\n\n".join(code)[CODE_CHARS : CODE_CHARS + MORE_CODE_CHARS],
+        "\n\n".join(docstrings(code))[DOC_CHARS : DOC_CHARS + MORE_DOC_CHARS],
+    )
+    for path, text in zip(paths, texts, strict=True):
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+    return paths
+
+
 def validation_files(target: Path, work: Path) -> list[Path]:
     """``chat/`` (the target's T=0 answers to VALIDATION_CHAT), ``code.txt`` and
     ``docstrings.txt`` (held-out modules the evaluation never reads)."""
@@ -506,7 +544,8 @@ def ablation(work: Path, target: Path, files: list[Path], env: dict) -> None:
     """The four sequential heads with one budget, then held-out acceptance."""
     cache = ["--teacher-store", str(work / "teacher"), "--lr", "1e-3"]
     for head in ("vanilla", "gated", "rnn", "none"):
-        flags = [*COMMON_FLAGS, *cache, "--markov-head", head, "--anchors", "160",
+        flags = [*COMMON_FLAGS, "--init-from-target", *cache, "--markov-head", head,
+                 "--anchors", "160",
                  "--batch-size", str(ABLATION_BATCH), "--steps", str(ABLATION_STEPS)]  # fmt: skip
         train(target, files, work / f"ablation-{head}", flags, env)
     for head in ("vanilla", "gated", "rnn", "none"):
@@ -590,12 +629,16 @@ def main() -> None:
     regenerated(target, files, regen_dir, args.seed, args.regen_minutes)
     if args.data_only:
         return
-    answers = sorted(regen_dir.glob("t*.jsonl.gz"))
+    answers = [regen_dir / f"{name}.jsonl.gz" for name in FIRST_SHARDS]
     text = [work / "corpus" / name for name in PLAIN_TEXT]
-    drafter = work / "drafter"
+    first = work / "drafter"
     store = ["--teacher-store", str(work / "teacher")]
+    train(target, [*answers, *text], first, [*TRAIN_FLAGS, *store], env)
+    drafter = work / "drafter-2"
+    more = [regen_dir / f"{name}.jsonl.gz" for name in SECOND_SHARDS]
     validation = ["--val-data", *map(str, validation_files(target, work))]
-    train(target, [*answers, *text], drafter, [*TRAIN_FLAGS, *validation, *store], env)
+    flags = [*SECOND_STAGE_FLAGS, "--init-from", str(first), *validation, *store]
+    train(target, [*more, *second_text(work, args.seed)], drafter, flags, env)
     if not (drafter / "dspark_calibration.json").exists():
         run(
             [sys.executable, "-m", "mlx_dspark.calibrate", "--model", str(target), "--draft-model",
