@@ -29,14 +29,15 @@ Steps (each is skipped when its output already exists, so a rerun resumes):
    people continue; flags below: 1 layer started from the target's top layer,
    vanilla TSH rank 64, block 7, a 4096-token draft vocabulary, 64 anchors a
    sequence, ten sequences a step, the target's features and distributions
-   computed once into a teacher store), written 4-bit to ``drafter/``. Then
-   a second stage continues it (``--init-from``) on data the first never saw
-   (``SECOND_STAGE``: later answer shards, the code and docstrings that follow
-   the first stage's), validated on held-out files (:func:`validation_files`),
-   into ``drafter-2/``: training adds up across sessions, and each stage's
-   teacher store covers only its own data. ``mlx_dspark.calibrate`` on
-   held-out prompts writes the last stage's STS calibration. The book passages
-   only seed "summary" prompts.
+   computed once into a teacher store), written 4-bit to ``drafter/`` (the
+   shipped drafter). ``--second-stage`` continues it (``--init-from``) on
+   data the first never saw (``SECOND_SHARDS``, the code and docstrings that
+   follow the first stage's), validated on held-out files
+   (:func:`validation_files`), into ``drafter-2/``: training adds up across
+   sessions, and each stage's teacher store covers only its own data (it did
+   not measurably change held-out acceptance, so it does not ship).
+   ``mlx_dspark.calibrate`` on held-out prompts writes the last stage's STS
+   calibration. The book passages only seed "summary" prompts.
 5. ``--install`` copies it into ``mlx_dspark/assets/default_drafter/``.
 6. ``--ablation`` also trains the vanilla, gated, rnn and no-TSH heads with one
    smaller budget (``ABLATION_STEPS``) and measures them on the held-out sets.
@@ -604,6 +605,8 @@ def main() -> None:
                         help="only time regeneration at these batch sizes (T=0)")  # fmt: skip
     parser.add_argument("--bench-tokens", type=int, default=64,
                         help="answer length for --bench-batches")  # fmt: skip
+    parser.add_argument("--second-stage", action="store_true",
+                        help="continue the drafter on data it never saw (drafter-2/)")  # fmt: skip
     parser.add_argument("--data-only", action="store_true",
                         help="build the data and regenerate answers; no training")  # fmt: skip
     args = parser.parse_args()
@@ -631,14 +634,15 @@ def main() -> None:
         return
     answers = [regen_dir / f"{name}.jsonl.gz" for name in FIRST_SHARDS]
     text = [work / "corpus" / name for name in PLAIN_TEXT]
-    first = work / "drafter"
+    drafter = work / "drafter"
     store = ["--teacher-store", str(work / "teacher")]
-    train(target, [*answers, *text], first, [*TRAIN_FLAGS, *store], env)
-    drafter = work / "drafter-2"
-    more = [regen_dir / f"{name}.jsonl.gz" for name in SECOND_SHARDS]
-    validation = ["--val-data", *map(str, validation_files(target, work))]
-    flags = [*SECOND_STAGE_FLAGS, "--init-from", str(first), *validation, *store]
-    train(target, [*more, *second_text(work, args.seed)], drafter, flags, env)
+    train(target, [*answers, *text], drafter, [*TRAIN_FLAGS, *store], env)
+    if args.second_stage:
+        first, drafter = drafter, work / "drafter-2"
+        more = [regen_dir / f"{name}.jsonl.gz" for name in SECOND_SHARDS]
+        validation = ["--val-data", *map(str, validation_files(target, work))]
+        flags = [*SECOND_STAGE_FLAGS, "--init-from", str(first), *validation, *store]
+        train(target, [*more, *second_text(work, args.seed)], drafter, flags, env)
     if not (drafter / "dspark_calibration.json").exists():
         run(
             [sys.executable, "-m", "mlx_dspark.calibrate", "--model", str(target), "--draft-model",
