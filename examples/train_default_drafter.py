@@ -78,6 +78,8 @@ from eval_default_pair import CHAT as HELD_OUT_CHAT
 from eval_default_pair import EVALUATED_MODULES, held_out_modules
 from plot_learning_curves import curve
 
+from mlx_dspark.utils import write_text_atomic
+
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 SEQ_LEN = 320
 CODE_CHARS, DOC_CHARS, BOOK_CHARS = 400_000, 200_000, 200_000
@@ -492,9 +494,7 @@ def second_text(work: Path, seed: int) -> list[Path]:
         "\n\n".join(docstrings(code))[DOC_CHARS : DOC_CHARS + MORE_DOC_CHARS],
     )
     for path, text in zip(paths, texts, strict=True):
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
+        write_text_atomic(path, text)
     return paths
 
 
@@ -520,10 +520,10 @@ def validation_files(target: Path, work: Path) -> list[Path]:
     if not doc_file.exists():
         modules = held_out_modules()[EVALUATED_MODULES:]
         code = [p.read_text(encoding="utf-8", errors="replace") for p in modules]
-        code_file.write_text("\n\n".join(code)[:VALIDATION_CODE_CHARS])
-        tmp = doc_file.with_suffix(".tmp")
-        tmp.write_text("\n\n".join(docstrings(code))[:VALIDATION_DOC_CHARS])
-        tmp.rename(doc_file)
+        write_text_atomic(code_file, "\n\n".join(code)[:VALIDATION_CODE_CHARS])
+        write_text_atomic(
+            doc_file, "\n\n".join(docstrings(code))[:VALIDATION_DOC_CHARS]
+        )
     return [*sorted(chat.glob("*.jsonl.gz")), code_file, doc_file]
 
 
