@@ -29,13 +29,13 @@ Steps (each is skipped when its output already exists, so a rerun resumes):
    people continue; flags below: 1 layer started from the target's top layer,
    vanilla TSH rank 64, block 7, a 4096-token draft vocabulary, 64 anchors a
    sequence, ten sequences a step, the target's features and distributions
-   computed once into a teacher store), written 4-bit to ``drafter/`` (the
-   shipped drafter). ``--second-stage`` continues it (``--init-from``) on
-   data the first never saw (``SECOND_SHARDS``, the code and docstrings that
-   follow the first stage's), validated on held-out files
-   (:func:`validation_files`), into ``drafter-2/``: training adds up across
-   sessions, and each stage's teacher store covers only its own data (it did
-   not measurably change held-out acceptance, so it does not ship).
+   computed once into a teacher store), written 4-bit to ``drafter/``. Each
+   later stage (``LATER_STAGES``) continues the one before (``--init-from``)
+   into ``drafter-N/`` on data no earlier stage saw (answer shards regenerated
+   after it, the code and docstrings that follow the earlier stages'), with a
+   teacher store of its own, validated on held-out files
+   (:func:`validation_files`): training adds up across sessions.
+   ``--stages N`` trains the first N stages (default: the shipped drafter's).
    ``mlx_dspark.calibrate`` on held-out prompts writes the last stage's STS
    calibration. The book passages only seed "summary" prompts.
 5. ``--install`` copies it into ``mlx_dspark/assets/default_drafter/``.
@@ -66,6 +66,7 @@ import sysconfig
 import tarfile
 import zipfile
 import zlib
+from dataclasses import dataclass
 from itertools import chain, zip_longest
 from pathlib import Path
 
@@ -78,7 +79,7 @@ from eval_default_pair import CHAT as HELD_OUT_CHAT
 from eval_default_pair import EVALUATED_MODULES, held_out_modules
 from plot_learning_curves import curve
 
-from mlx_dspark.utils import write_text_atomic
+from mlx_dspark.utils import encode_chat_prompt, write_text_atomic
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 SEQ_LEN = 320
@@ -112,15 +113,31 @@ PLAIN_TEXT = ("stdlib.txt", "docstrings.txt")
 TRAIN_FLAGS = [*COMMON_FLAGS, "--init-from-target", "--markov-head", "vanilla",
                "--batch-size", "10", "--anchors", "64", "--steps", "1000",
                "--lr", "1.5e-3", "--val-sequences", "24", "--val-every", "100"]  # fmt: skip
-# The second stage: answer shards regenerated after the first stage and the
-# plain text that follows its own in the same shuffled module order, about
-# three epochs at a lower learning rate, from the first stage's drafter.
-SECOND_SHARDS = ("t000-0009", "t070-0008")
-MORE_CODE_CHARS, MORE_DOC_CHARS = 200_000, 200_000
-SECOND_TEXT = ("stdlib-2.txt", "docstrings-2.txt")
-SECOND_STAGE_FLAGS = [*COMMON_FLAGS, "--markov-head", "vanilla", "--batch-size", "10",
-                      "--anchors", "64", "--steps", "160", "--lr", "1e-3",
-                      "--val-every", "40"]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A stage after the first: it continues the previous stage's drafter
+    (``--init-from``) for ``steps`` steps on answer shards regenerated after
+    that stage and on the next ``code_chars`` of code and ``doc_chars`` of
+    docstrings in the same shuffled module order, with a teacher store of its
+    own, validated on held-out files (:func:`validation_files`)."""
+
+    shards: tuple[str, ...]
+    code_chars: int
+    doc_chars: int
+    steps: int
+
+
+# Each about three epochs of its data, at a lower learning rate.
+LATER_STAGES = (
+    Stage(("t000-0009", "t070-0008"), 200_000, 200_000, steps=160),
+    Stage((*(f"t000-{i:04d}" for i in range(10, 14)),
+           *(f"t070-{i:04d}" for i in range(9, 13))), 100_000, 100_000, steps=200),
+)  # fmt: skip
+SHIPPED_STAGES = 1  # the stages behind mlx_dspark/assets/default_drafter
+LATER_STAGE_FLAGS = [*COMMON_FLAGS, "--markov-head", "vanilla", "--batch-size", "10",
+                     "--anchors", "64", "--lr", "1e-3", "--val-every", "40"]  # fmt: skip
 # Validation (``--val-data``): the target's T=0 answers to questions no
 # template writes, and code and docstrings of held-out modules the evaluation
 # never reads (``held_out_modules()[EVALUATED_MODULES:]``). A split of the
@@ -364,16 +381,6 @@ def corpus(work: Path, seed: int) -> list[Path]:
     return sorted(out.iterdir())
 
 
-def chat_tokens(tokenizer, prompt: str) -> list[int]:
-    """A user prompt in the target's chat template, ready for its answer."""
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}],
-        tokenize=False,
-        add_generation_prompt=True,
-    )
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
-
 def regeneration_prompts(tokenizer, prompts_file: Path, seed: int) -> list[dict]:
     """``{"kind", "prompt"}`` for every prompt to answer, in answering order.
 
@@ -390,7 +397,7 @@ def regeneration_prompts(tokenizer, prompts_file: Path, seed: int) -> list[dict]
         kind = item["kind"]
         if (
             taken[kind] < counts[kind]
-            and len(chat_tokens(tokenizer, item["prompt"])) <= budget
+            and len(encode_chat_prompt(tokenizer, item["prompt"])) <= budget
         ):
             chosen.append(item)
             taken[kind] += 1
@@ -434,7 +441,7 @@ def regenerated(
         print(f"  {done}/{total} answers, {tps:.1f} tok/s", flush=True)
 
     return regenerate_shards(
-        [chat_tokens(tokenizer, i["prompt"]) for i in items], model, tokenizer, out,
+        [encode_chat_prompt(tokenizer, i["prompt"]) for i in items], model, tokenizer, out,
         shard_size=REGEN_BATCH, temperatures=REGEN_TEMPERATURES,
         max_tokens=REGEN_MAX_TOKENS, seed=seed, tags=kinds,
         max_seconds=None if minutes is None else 60 * minutes, progress=progress,
@@ -458,7 +465,9 @@ def bench_regeneration(
     model, tokenizer = load(str(target))
     prompts_file = next(f for f in files if f.name == "prompts.jsonl")
     items = regeneration_prompts(tokenizer, prompts_file, seed)
-    prompts = [chat_tokens(tokenizer, i["prompt"]) for i in items[: max(batches)]]
+    prompts = [
+        encode_chat_prompt(tokenizer, i["prompt"]) for i in items[: max(batches)]
+    ]
     generate_answers(
         model, tokenizer, prompts[:2], max_tokens=4, temperature=0.0, seed=0
     )
@@ -482,16 +491,24 @@ def calibration_prompts(work: Path) -> Path:
     return path
 
 
-def second_text(work: Path, seed: int) -> list[Path]:
-    """The second stage's plain text: the code and docstrings that follow the
-    first stage's (``corpus/stdlib.txt``, ``corpus/docstrings.txt``)."""
-    paths = [work / "corpus" / name for name in SECOND_TEXT]
+def stage_text(work: Path, seed: int, stage: int) -> list[Path]:
+    """Stage ``stage``'s plain text (``corpus/stdlib-N.txt``,
+    ``corpus/docstrings-N.txt``): the code and docstrings that follow the
+    earlier stages' (the first's are ``corpus/stdlib.txt`` and
+    ``corpus/docstrings.txt``)."""
+    paths = [
+        work / "corpus" / f"{name}-{stage}.txt" for name in ("stdlib", "docstrings")
+    ]
     if all(p.exists() for p in paths):
         return paths
+    earlier = LATER_STAGES[: stage - 2]
+    code_start = CODE_CHARS + sum(s.code_chars for s in earlier)
+    doc_start = DOC_CHARS + sum(s.doc_chars for s in earlier)
+    this = LATER_STAGES[stage - 2]
     code = shuffled_modules(random.Random(seed))  # the order corpus() drew
     texts = (
-        "\n\n".join(code)[CODE_CHARS : CODE_CHARS + MORE_CODE_CHARS],
-        "\n\n".join(docstrings(code))[DOC_CHARS : DOC_CHARS + MORE_DOC_CHARS],
+        "\n\n".join(code)[code_start : code_start + this.code_chars],
+        "\n\n".join(docstrings(code))[doc_start : doc_start + this.doc_chars],
     )
     for path, text in zip(paths, texts, strict=True):
         write_text_atomic(path, text)
@@ -511,7 +528,7 @@ def validation_files(target: Path, work: Path) -> list[Path]:
         model, tokenizer = load(str(target))
         staging = out / "chat.tmp"
         regenerate_shards(
-            [chat_tokens(tokenizer, q) for q in VALIDATION_CHAT], model, tokenizer,
+            [encode_chat_prompt(tokenizer, q) for q in VALIDATION_CHAT], model, tokenizer,
             staging, shard_size=len(VALIDATION_CHAT), temperatures=(0.0,),
             max_tokens=REGEN_MAX_TOKENS,
         )  # fmt: skip
@@ -605,8 +622,9 @@ def main() -> None:
                         help="only time regeneration at these batch sizes (T=0)")  # fmt: skip
     parser.add_argument("--bench-tokens", type=int, default=64,
                         help="answer length for --bench-batches")  # fmt: skip
-    parser.add_argument("--second-stage", action="store_true",
-                        help="continue the drafter on data it never saw (drafter-2/)")  # fmt: skip
+    parser.add_argument("--stages", type=int, default=SHIPPED_STAGES,
+                        choices=range(1, len(LATER_STAGES) + 2),
+                        help="train this many stages (the last is calibrated and installed)")  # fmt: skip
     parser.add_argument("--data-only", action="store_true",
                         help="build the data and regenerate answers; no training")  # fmt: skip
     args = parser.parse_args()
@@ -637,12 +655,17 @@ def main() -> None:
     drafter = work / "drafter"
     store = ["--teacher-store", str(work / "teacher")]
     train(target, [*answers, *text], drafter, [*TRAIN_FLAGS, *store], env)
-    if args.second_stage:
-        first, drafter = drafter, work / "drafter-2"
-        more = [regen_dir / f"{name}.jsonl.gz" for name in SECOND_SHARDS]
-        validation = ["--val-data", *map(str, validation_files(target, work))]
-        flags = [*SECOND_STAGE_FLAGS, "--init-from", str(first), *validation, *store]
-        train(target, [*more, *second_text(work, args.seed)], drafter, flags, env)
+    later = LATER_STAGES[: args.stages - 1]
+    validation = (
+        ["--val-data", *map(str, validation_files(target, work))] if later else []
+    )
+    for number, stage in enumerate(later, start=2):
+        previous, drafter = drafter, work / f"drafter-{number}"
+        data = [regen_dir / f"{name}.jsonl.gz" for name in stage.shards]
+        data += stage_text(work, args.seed, number)
+        flags = [*LATER_STAGE_FLAGS, "--steps", str(stage.steps)]
+        flags += ["--init-from", str(previous), *validation, *store]
+        train(target, data, drafter, flags, env)
     if not (drafter / "dspark_calibration.json").exists():
         run(
             [sys.executable, "-m", "mlx_dspark.calibrate", "--model", str(target), "--draft-model",

@@ -206,3 +206,26 @@ def test_committed_prompt_list_and_answers():
     assert drafter_prompts.near_duplicates(texts, recipe.HELD_OUT_PROMPTS) == []
     size = sum(p.stat().st_size for p in recipe.REGEN_DIR.iterdir())
     assert size < 10 * 2**20
+
+
+def test_every_stage_trains_on_answers_no_other_stage_saw():
+    names = [*recipe.FIRST_SHARDS, *(n for s in recipe.LATER_STAGES for n in s.shards)]
+    assert len(set(names)) == len(names)
+    for name in names:
+        assert (recipe.REGEN_DIR / f"{name}.jsonl.gz").exists(), name
+
+
+def test_later_stages_take_the_text_that_follows(tmp_path, monkeypatch):
+    modules = [f'"""{f"module {i} says " * 20}"""\nx = {i}\n' for i in range(40)]
+    monkeypatch.setattr(recipe, "shuffled_modules", lambda rng: list(modules))
+    monkeypatch.setattr(recipe, "CODE_CHARS", 500)
+    monkeypatch.setattr(recipe, "DOC_CHARS", 300)
+    stages = (recipe.Stage((), 400, 200, steps=1), recipe.Stage((), 300, 250, steps=1))
+    monkeypatch.setattr(recipe, "LATER_STAGES", stages)
+    (tmp_path / "corpus").mkdir()
+    second = [p.read_text() for p in recipe.stage_text(tmp_path, 0, 2)]
+    third = [p.read_text() for p in recipe.stage_text(tmp_path, 0, 3)]
+    code, docs = "\n\n".join(modules), "\n\n".join(recipe.docstrings(modules))
+    assert [len(t) for t in second + third] == [400, 200, 300, 250]
+    assert second[0] + third[0] == code[500:1200]
+    assert second[1] + third[1] == docs[300:750]

@@ -33,6 +33,7 @@ import numpy as np
 
 from ..data import Sequence
 from ..target import TargetAdapter
+from ..utils import write_text_atomic
 from .batches import Batch
 
 STORE_VERSION = 1
@@ -179,7 +180,9 @@ class TeacherStore:
                 for array in files.values():
                     array.flush()
                 state["done"] = chunk_index + 1
-                _write_json(directory / "progress.json", {**plan, **state})
+                write_text_atomic(
+                    directory / "progress.json", json.dumps({**plan, **state})
+                )
                 if progress is not None:
                     progress(min(start + batch_size, len(order)), len(order))
             del files
@@ -194,7 +197,7 @@ class TeacherStore:
             "feature_dtype": state["feature_dtype"],
             "vocab": shape["vocab"],
         }
-        _write_json(directory / "meta.json", meta)
+        write_text_atomic(directory / "meta.json", json.dumps(meta))
         (directory / "progress.json").unlink()
         return cls(directory)
 
@@ -285,10 +288,3 @@ def _open_arrays(
                 path, "w+", dtypes[name], shapes[name]
             )
     return files
-
-
-def _write_json(path: Path, value: dict) -> None:
-    """Write ``value`` to ``path`` through a temporary file and a rename."""
-    partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps(value))
-    partial.replace(path)
