@@ -134,6 +134,8 @@ LATER_STAGES = (
     Stage(("t000-0009", "t070-0008"), 200_000, 200_000, steps=160),
     Stage((*(f"t000-{i:04d}" for i in range(10, 14)),
            *(f"t070-{i:04d}" for i in range(9, 13))), 100_000, 100_000, steps=200),
+    Stage((*(f"t000-{i:04d}" for i in range(14, 20)),
+           *(f"t070-{i:04d}" for i in range(13, 20))), 100_000, 100_000, steps=300),
 )  # fmt: skip
 SHIPPED_STAGES = 1  # the stages behind mlx_dspark/assets/default_drafter
 LATER_STAGE_FLAGS = [*COMMON_FLAGS, "--markov-head", "vanilla", "--batch-size", "10",
