@@ -5,6 +5,9 @@ writes into each drafter's ``training_record.json`` and draws one line per
 drafter (needs the ``plot`` extra: ``pip install 'mlx-dspark[plot]'``)::
 
     python examples/plot_learning_curves.py RUN_A RUN_B --out curves.png
+
+``--chain`` draws runs that continue one another (``--init-from``) on one
+time axis: each starts where the one before ended.
 """
 
 from __future__ import annotations
@@ -28,10 +31,24 @@ def curve(drafter: Path) -> tuple[list[float], list[float]]:
     return [row[time] / 60 for row in rows], [row[tau] for row in rows]
 
 
+def chained(
+    curves: list[tuple[list[float], list[float]]],
+) -> list[tuple[list[float], list[float]]]:
+    """Curves of runs that continue one another, each shifted to start at
+    the previous one's last point."""
+    out, start = [], 0.0
+    for minutes, tau in curves:
+        out.append(([start + m for m in minutes], tau))
+        start += minutes[-1]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("drafters", type=Path, nargs="+", help="drafter directories")
     parser.add_argument("--out", type=Path, required=True, help="PNG to write")
+    parser.add_argument("--chain", action="store_true",
+                        help="each run continues the one before: one time axis")  # fmt: skip
     args = parser.parse_args()
     try:
         import matplotlib
@@ -40,9 +57,11 @@ def main() -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         sys.exit("Plots need matplotlib: pip install 'mlx-dspark[plot]'.")
+    curves = [curve(drafter) for drafter in args.drafters]
+    if args.chain:
+        curves = chained(curves)
     fig, ax = plt.subplots(figsize=(6, 4))
-    for drafter in args.drafters:
-        minutes, tau = curve(drafter)
+    for drafter, (minutes, tau) in zip(args.drafters, curves, strict=True):
         ax.plot(minutes, tau, marker="o", label=drafter.name)
     ax.set_xlabel("training time (minutes)")
     ax.set_ylabel("validation tau (expected accepted length)")

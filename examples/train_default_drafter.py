@@ -137,7 +137,7 @@ LATER_STAGES = (
     Stage((*(f"t000-{i:04d}" for i in range(14, 20)),
            *(f"t070-{i:04d}" for i in range(13, 20))), 100_000, 100_000, steps=300),
 )  # fmt: skip
-SHIPPED_STAGES = 1  # the stages behind mlx_dspark/assets/default_drafter
+SHIPPED_STAGES = 4  # the stages behind mlx_dspark/assets/default_drafter
 LATER_STAGE_FLAGS = [*COMMON_FLAGS, "--markov-head", "vanilla", "--batch-size", "10",
                      "--anchors", "64", "--lr", "1e-3", "--val-every", "40"]  # fmt: skip
 # Validation (``--val-data``): the target's T=0 answers to questions no

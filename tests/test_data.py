@@ -21,6 +21,7 @@ from mlx_dspark.structured import PairSpec, build_structured_pair
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import drafter_prompts  # noqa: E402
+import plot_learning_curves  # noqa: E402
 import train_default_drafter as recipe  # noqa: E402
 
 EOS = 30  # the structured target's end-of-sequence token
@@ -229,3 +230,10 @@ def test_later_stages_take_the_text_that_follows(tmp_path, monkeypatch):
     assert [len(t) for t in second + third] == [400, 200, 300, 250]
     assert second[0] + third[0] == code[500:1200]
     assert second[1] + third[1] == docs[300:750]
+
+
+def test_chained_curves_start_where_the_run_before_ended():
+    first = ([1.0, 2.0, 5.0], [1.1, 1.2, 1.3])
+    second = ([0.5, 1.5], [1.25, 1.35])
+    shifted = plot_learning_curves.chained([first, second])
+    assert shifted == [first, ([5.5, 6.5], [1.25, 1.35])]
