@@ -159,7 +159,7 @@ def optimise(
                 state.step % validate_every == 0 or state.step == total
             ):
                 state.validation.append(
-                    [state.step, round(state.train_time_s, 1), *validate()]
+                    [state.step, round(state.train_time_s, 3), *validate()]
                 )
             shown = "  ".join(
                 f"{n} {v:.3f}" for n, v in zip(METRICS, running, strict=True)
