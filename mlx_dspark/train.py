@@ -203,7 +203,7 @@ def train(
     draft_ids = None if vocab is None else vocab.ids
     drafter = new_drafter(config, target, args.seed, draft_ids, args.init_from_target)
     if start is not None:
-        copy_trained_weights(drafter, start.drafter)
+        copy_trained_weights(drafter, start.drafter, target)
     optimizer = optim.AdamW(
         learning_rate=schedule(args.lr, total, int(args.warmup * total)),
         weight_decay=args.weight_decay,

@@ -41,6 +41,7 @@ from mlx_dspark.training.batches import (
     training_labels,
 )
 from mlx_dspark.training.loss import draft_logits, loss_terms
+from mlx_dspark.training.model import copy_trained_weights, trained_drafter
 from mlx_dspark.training.teacher import OnlineTeacher, TeacherStore
 from mlx_dspark.training.trainer import make_step, make_validation, schedule
 
@@ -822,3 +823,43 @@ def test_data_parallel_training_equals_one_process(setup, tmp_path):
     assert a.keys() == b.keys()
     for name in a:
         assert mx.allclose(a[name], b[name], rtol=1e-3, atol=1e-4).item(), name
+
+
+def test_init_from_a_shallower_drafter_grows_it(setup):
+    """--layers above the --init-from drafter's adds layers on top, started
+    from the target's with zeroed output projections: the grown drafter
+    computes exactly what its source did, and training then moves them."""
+    _, target_dir, model, _, _ = setup
+    first = train(base_args(setup, "one_layer", steps=6))
+    source = trained_drafter(first.out, model)
+    target = TargetAdapter(model, source.config.target_layer_ids)
+    target_config = json.loads((Path(target_dir) / "config.json").read_text())
+    config = drafter_config(
+        target_config, target, layers=2, block_size=source.block_size,
+        markov_head="vanilla", markov_rank=16, anchors=16, confidence=True,
+        mask_token_id=source.config.mask_token_id,
+    )  # fmt: skip
+    grown = new_drafter(config, target, 0)
+    copy_trained_weights(grown, source, target)
+    new = grown.layers[1]
+    top = model.layers[-1]
+    assert mx.array_equal(new.self_attn.q_proj.weight, top.self_attn.q_proj.weight)
+    assert not mx.any(new.self_attn.o_proj.weight).item()
+    assert not mx.any(new.mlp.down_proj.weight).item()
+    context = mx.random.normal((1, 9, source.fc.weight.shape[1]), key=mx.random.key(3))
+    block = source.block_tokens(mx.array([5]))
+    want = source(block, 9, context, source.make_cache())
+    got = grown(block, 9, context, grown.make_cache())
+    assert mx.allclose(got, want, atol=1e-5)
+    new.mlp.down_proj.weight = top.mlp.down_proj.weight
+    changed = grown(block, 9, context, grown.make_cache())
+    assert not mx.allclose(changed, want, atol=1e-3)
+
+    result = train(
+        base_args(setup, "grown", steps=4, layers=2, init_from=str(first.out))
+    )
+    trained = load(target_dir, result.out)[2]
+    assert len(trained.layers) == 2
+    assert mx.any(trained.layers[1].mlp.down_proj.weight).item()
+    with pytest.raises(DSparkError, match="--layers \\(2, not 1\\)"):
+        train(base_args(setup, "shrunk", steps=2, init_from=str(result.out)))

@@ -171,17 +171,35 @@ def trained_drafter(path: Path, target: nn.Module) -> DSparkDrafter:
     return drafter
 
 
-def copy_trained_weights(drafter: DSparkDrafter, source: DSparkDrafter) -> None:
+def copy_trained_weights(
+    drafter: DSparkDrafter, source: DSparkDrafter, target: TargetAdapter
+) -> None:
     """``source``'s value of every trainable weight of ``drafter`` (float32);
-    the frozen embedding and LM head stay the target's."""
+    the frozen embedding and LM head stay the target's.
+
+    A drafter with more layers than ``source`` grows it: the layers ``source``
+    lacks go on top, started from the target's layers (as
+    :func:`copy_target_layers` places them) with their attention and MLP
+    output projections zeroed, so that each adds nothing to the residual
+    stream and the grown drafter drafts exactly what ``source`` did until
+    training moves them.
+    """
     theirs = dict(tree_flatten(source.parameters()))
+    grown = len(source.layers)
     drafter.load_weights(
         [
             (name, theirs[name].astype(mx.float32))
             for name, _ in tree_flatten(drafter.trainable_parameters())
+            if name in theirs
         ],
         strict=False,
     )
+    if len(drafter.layers) > grown:
+        copy_target_layers(drafter, target, first=grown)
+        for layer in drafter.layers[grown:]:
+            for path in ("self_attn.o_proj", "mlp.down_proj"):
+                projection = _module(layer, path)
+                projection.weight = mx.zeros_like(projection.weight)
     mx.eval(drafter.parameters())
 
 
@@ -209,11 +227,14 @@ _TARGET_SHAPE = (
 
 
 def check_same_shape(config: DraftConfig, trained: DraftConfig, path: Path) -> None:
-    """Refuse to start from a drafter of another shape than the flags ask for."""
+    """Refuse to start from a drafter of another shape than the flags ask for
+    (more layers than it has are fine: see :func:`copy_trained_weights`)."""
     mine, theirs = config.to_dict(), trained.to_dict()
     differ = [
         k for k in (*_SHAPE_FLAGS, *_TARGET_SHAPE) if mine.get(k) != theirs.get(k)
     ]
+    if mine["num_hidden_layers"] > theirs["num_hidden_layers"]:
+        differ.remove("num_hidden_layers")
     if not differ:
         return
     flags = [
@@ -249,8 +270,11 @@ _LAYER_PARTS = (
 _GEMMA4_LAYER_PARTS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 
-def copy_target_layers(drafter: DSparkDrafter, target: TargetAdapter) -> None:
-    """Start draft layer ``i`` of ``n`` from target layer ``L - n + i``.
+def copy_target_layers(
+    drafter: DSparkDrafter, target: TargetAdapter, first: int = 0
+) -> None:
+    """Start draft layer ``i`` of ``n`` from target layer ``L - n + i``
+    (for ``i >= first``).
 
     Every weight of the same shape is copied (dequantized); parts the target
     layer lacks (``q_norm``/``k_norm`` in Llama; ``k_proj``/``v_proj`` in
@@ -266,7 +290,7 @@ def copy_target_layers(drafter: DSparkDrafter, target: TargetAdapter) -> None:
     if drafter.config.is_gemma4:
         parts = _LAYER_PARTS + _GEMMA4_LAYER_PARTS
     copied = 0
-    for layer, source in zip(layers, sources, strict=True):
+    for layer, source in list(zip(layers, sources, strict=True))[first:]:
         for path in parts:
             mine, theirs = _module(layer, path), _module(source, path)
             if mine is None or theirs is None:
