@@ -21,9 +21,12 @@ Steps (each is skipped when its output already exists, so a rerun resumes):
    shards in ``examples/data/regenerated/`` (``--regen-dir``), which are
    committed to the repository with the prompt list: a shard that exists is
    skipped, so a rerun, in this session or a later one, continues where the
-   last one stopped.
-   ``--regen-minutes M`` stops starting shards after M minutes; training then
-   uses the shards that exist. ``--data-only`` stops after this step.
+   last one stopped. The same way, the target continues plain-text beginnings
+   cut from the training modules like the held-out code and prose prompts
+   (``continuation_prompts``, 96 tokens) into ``examples/data/continued/``.
+   ``--regen-minutes M`` stops starting shards after M minutes (in each of the
+   two); training then uses the shards that exist. ``--data-only`` stops after
+   this step.
 4. ``mlx_dspark.train`` on the target's answers and on the standard-library
    code and docstrings as plain text (the target's distributions over text
    people continue; flags below: 1 layer started from the target's top layer,
@@ -32,8 +35,8 @@ Steps (each is skipped when its output already exists, so a rerun resumes):
    computed once into a teacher store), written 4-bit to ``drafter/``. Each
    later stage (``LATER_STAGES``) continues the one before (``--init-from``)
    into ``drafter-N/`` on data no earlier stage saw (answer shards regenerated
-   after it, the code and docstrings that follow the earlier stages'), with a
-   teacher store of its own, validated on held-out files
+   after it, the code and docstrings that follow the earlier stages', or the
+   continuations), with a teacher store of its own, validated on held-out files
    (:func:`validation_files`): training adds up across sessions.
    ``--stages N`` trains the first N stages (default: the shipped drafter's).
    ``mlx_dspark.calibrate`` on held-out prompts writes the last stage's STS
@@ -88,6 +91,11 @@ PROMPT_COUNTS = {"chat": 1400, "code": 400, "maths": 500}
 EXPLAIN_PROMPTS, SUMMARY_PROMPTS = 200, 200
 REGEN_MAX_TOKENS, REGEN_BATCH, REGEN_TEMPERATURES = 192, 64, (0.0, 0.7)
 REGEN_DIR = Path(__file__).resolve().parent / "data" / "regenerated"
+# The target continuing plain text as the held-out code and prose prompts ask
+# it to (stage 5): beginnings cut from training modules, 96 tokens each.
+CONTINUATION_DIR = Path(__file__).resolve().parent / "data" / "continued"
+CONTINUATIONS = {"code": 256, "prose": 128}
+CONTINUATION_PREFIX, CONTINUATION_TOKENS = 64, 96
 PROMPT_LIST = "prompts.jsonl.gz"  # in REGEN_DIR, committed with the answers
 COMMON_FLAGS = [
     "--layers", "1",
@@ -121,25 +129,36 @@ class Stage:
     (``--init-from``) for ``steps`` steps on answer shards regenerated after
     that stage and on the next ``code_chars`` of code and ``doc_chars`` of
     docstrings in the same shuffled module order, with a teacher store of its
-    own, validated on held-out files (:func:`validation_files`)."""
+    own, validated on held-out files (:func:`validation_files`); and on the
+    ``continued`` shards (:func:`continued`) at learning rate ``lr``."""
 
     shards: tuple[str, ...]
     code_chars: int
     doc_chars: int
     steps: int
+    lr: float = 1e-3
+    continued: tuple[str, ...] = ()
 
 
-# Each about three epochs of its data, at a lower learning rate.
+# Stages 2-4: each about three epochs of new data, at a lower learning rate
+# than the first. Stage 5, not shipped: about three epochs of the target
+# continuing plain text, at 3e-4 (at 1e-3 a continuing run first lost about
+# 0.08 of validation tau and had not regained it after 300 steps). It accepts
+# more on held-out code and prose at T=0, less on chat and at T=1, and the
+# default policy stopped drafting on chat (README, "The default pair").
 LATER_STAGES = (
     Stage(("t000-0009", "t070-0008"), 200_000, 200_000, steps=160),
     Stage((*(f"t000-{i:04d}" for i in range(10, 14)),
            *(f"t070-{i:04d}" for i in range(9, 13))), 100_000, 100_000, steps=200),
     Stage((*(f"t000-{i:04d}" for i in range(14, 20)),
            *(f"t070-{i:04d}" for i in range(13, 20))), 100_000, 100_000, steps=300),
+    Stage((), 0, 0, steps=240, lr=3e-4,
+          continued=(*(f"t000-{i:04d}" for i in range(6)),
+                     *(f"t070-{i:04d}" for i in range(6)))),
 )  # fmt: skip
 SHIPPED_STAGES = 4  # the stages behind mlx_dspark/assets/default_drafter
 LATER_STAGE_FLAGS = [*COMMON_FLAGS, "--markov-head", "vanilla", "--batch-size", "10",
-                     "--anchors", "64", "--lr", "1e-3", "--val-every", "40"]  # fmt: skip
+                     "--anchors", "64", "--val-every", "40"]  # fmt: skip
 # Validation (``--val-data``): the target's T=0 answers to questions no
 # template writes, and code and docstrings of held-out modules the evaluation
 # never reads (``held_out_modules()[EVALUATED_MODULES:]``). A split of the
@@ -450,6 +469,60 @@ def regenerated(
     )  # fmt: skip
 
 
+def continuation_prompts(tokenizer, seed: int) -> list[dict]:
+    """``{"kind", "tokens"}``: plain-text beginnings for the target to continue,
+    cut from training modules the way the evaluation cuts its held-out code
+    and prose prompts (``examples/eval_default_pair.py``): ``CONTINUATION_PREFIX``
+    tokens from the middle third of a module (``code``), the first 300
+    characters of a docstring over 600 (``prose``); shuffled together."""
+    rng = random.Random(seed)
+    code, prose = [], []
+    for text in shuffled_modules(random.Random(seed)):
+        tokens = tokenizer.encode(text)
+        if len(tokens) > 4 * CONTINUATION_PREFIX and len(code) < CONTINUATIONS["code"]:
+            start = rng.randrange(len(tokens) // 3, 2 * len(tokens) // 3)
+            code.append(tokens[start : start + CONTINUATION_PREFIX])
+        long = [d for d in docstrings([text]) if len(d) > 600]
+        if long and len(prose) < CONTINUATIONS["prose"]:
+            prose.append(tokenizer.encode(rng.choice(long)[:300]))
+    items = [{"kind": "code", "tokens": t} for t in code]
+    items += [{"kind": "prose", "tokens": t} for t in prose]
+    rng.shuffle(items)
+    return items
+
+
+def continued(target: Path, out: Path, seed: int, minutes: float | None) -> list[Path]:
+    """The target's continuations of :func:`continuation_prompts` as shards in
+    ``out`` (resumable, like :func:`regenerated`; the prompt list is
+    committed beside them)."""
+    from mlx_lm import load
+
+    from mlx_dspark.data import regenerate_shards
+
+    model, tokenizer = load(str(target))
+    out.mkdir(parents=True, exist_ok=True)
+    listing = out / PROMPT_LIST
+    if not listing.exists():
+        items = continuation_prompts(tokenizer, seed)
+        tmp = listing.with_name(f".{listing.name}.tmp")
+        with gzip.GzipFile(tmp, "wb", mtime=0) as f:
+            f.write("".join(json.dumps(i) + "\n" for i in items).encode("utf-8"))
+        os.replace(tmp, listing)
+    with gzip.open(listing, "rt", encoding="utf-8") as f:
+        items = [json.loads(line) for line in f]
+    print(f"continuing {len(items)} beginnings into {out}", flush=True)
+
+    def progress(done: int, total: int, tps: float) -> None:
+        print(f"  {done}/{total} continuations, {tps:.1f} tok/s", flush=True)
+
+    return regenerate_shards(
+        [i["tokens"] for i in items], model, tokenizer, out, shard_size=REGEN_BATCH,
+        temperatures=REGEN_TEMPERATURES, max_tokens=CONTINUATION_TOKENS, seed=seed,
+        tags=[i["kind"] for i in items], progress=progress,
+        max_seconds=None if minutes is None else 60 * minutes,
+    )  # fmt: skip
+
+
 def bench_regeneration(
     target: Path, files: list[Path], seed: int, batches: list[int], max_tokens: int
 ) -> None:
@@ -503,10 +576,12 @@ def stage_text(work: Path, seed: int, stage: int) -> list[Path]:
     ]
     if all(p.exists() for p in paths):
         return paths
+    this = LATER_STAGES[stage - 2]
+    if this.code_chars == this.doc_chars == 0:
+        return []
     earlier = LATER_STAGES[: stage - 2]
     code_start = CODE_CHARS + sum(s.code_chars for s in earlier)
     doc_start = DOC_CHARS + sum(s.doc_chars for s in earlier)
-    this = LATER_STAGES[stage - 2]
     code = shuffled_modules(random.Random(seed))  # the order corpus() drew
     texts = (
         "\n\n".join(code)[code_start : code_start + this.code_chars],
@@ -619,7 +694,7 @@ def main() -> None:
     parser.add_argument("--regen-dir", type=Path, default=REGEN_DIR,
                         help="where the regenerated answer shards are (and go)")  # fmt: skip
     parser.add_argument("--regen-minutes", type=float, default=None,
-                        help="start no new answer shard after this many minutes")  # fmt: skip
+                        help="start no new answer (or continuation) shard after this many minutes")  # fmt: skip
     parser.add_argument("--bench-batches", type=int, nargs="+", default=None,
                         help="only time regeneration at these batch sizes (T=0)")  # fmt: skip
     parser.add_argument("--bench-tokens", type=int, default=64,
@@ -650,6 +725,7 @@ def main() -> None:
         sweep(work, target, answers, env)
         return
     regenerated(target, files, regen_dir, args.seed, args.regen_minutes)
+    continued(target, CONTINUATION_DIR, args.seed, args.regen_minutes)
     if args.data_only:
         return
     answers = [regen_dir / f"{name}.jsonl.gz" for name in FIRST_SHARDS]
@@ -664,8 +740,15 @@ def main() -> None:
     for number, stage in enumerate(later, start=2):
         previous, drafter = drafter, work / f"drafter-{number}"
         data = [regen_dir / f"{name}.jsonl.gz" for name in stage.shards]
+        data += [CONTINUATION_DIR / f"{name}.jsonl.gz" for name in stage.continued]
         data += stage_text(work, args.seed, number)
-        flags = [*LATER_STAGE_FLAGS, "--steps", str(stage.steps)]
+        flags = [
+            *LATER_STAGE_FLAGS,
+            "--steps",
+            str(stage.steps),
+            "--lr",
+            f"{stage.lr:g}",
+        ]
         flags += ["--init-from", str(previous), *validation, *store]
         train(target, data, drafter, flags, env)
     if not (drafter / "dspark_calibration.json").exists():

@@ -214,6 +214,31 @@ def test_every_stage_trains_on_answers_no_other_stage_saw():
     assert len(set(names)) == len(names)
     for name in names:
         assert (recipe.REGEN_DIR / f"{name}.jsonl.gz").exists(), name
+    continued = [n for s in recipe.LATER_STAGES for n in s.continued]
+    assert len(set(continued)) == len(continued)
+    for name in continued:
+        assert (recipe.CONTINUATION_DIR / f"{name}.jsonl.gz").exists(), name
+
+
+def test_committed_continuations_are_plain_text_beginnings():
+    """The continued beginnings: their counts and lengths, and each shard
+    continues its 64 beginnings (prompt tokens kept, at most 96 more)."""
+    listing = recipe.CONTINUATION_DIR / recipe.PROMPT_LIST
+    items = [json.loads(line) for line in gzip.open(listing, "rt", encoding="utf-8")]
+    kinds = [i["kind"] for i in items]
+    assert {k: kinds.count(k) for k in recipe.CONTINUATIONS} == recipe.CONTINUATIONS
+    assert all(
+        len(i["tokens"]) == recipe.CONTINUATION_PREFIX
+        for i in items
+        if i["kind"] == "code"
+    )
+    shard = recipe.CONTINUATION_DIR / "t000-0001.jsonl.gz"
+    rows = [json.loads(line) for line in gzip.open(shard, "rt", encoding="utf-8")]
+    assert len(rows) == recipe.REGEN_BATCH
+    for row, item in zip(rows, items[recipe.REGEN_BATCH :], strict=False):
+        assert row["tokens"][: row["loss_start"]] == item["tokens"]
+        assert row["tag"] == item["kind"]
+        assert 0 < len(row["tokens"]) - row["loss_start"] <= recipe.CONTINUATION_TOKENS
 
 
 def test_later_stages_take_the_text_that_follows(tmp_path, monkeypatch):
@@ -221,11 +246,16 @@ def test_later_stages_take_the_text_that_follows(tmp_path, monkeypatch):
     monkeypatch.setattr(recipe, "shuffled_modules", lambda rng: list(modules))
     monkeypatch.setattr(recipe, "CODE_CHARS", 500)
     monkeypatch.setattr(recipe, "DOC_CHARS", 300)
-    stages = (recipe.Stage((), 400, 200, steps=1), recipe.Stage((), 300, 250, steps=1))
+    stages = (
+        recipe.Stage((), 400, 200, steps=1),
+        recipe.Stage((), 0, 0, steps=1, continued=("t000-0000",)),
+        recipe.Stage((), 300, 250, steps=1),
+    )
     monkeypatch.setattr(recipe, "LATER_STAGES", stages)
     (tmp_path / "corpus").mkdir()
     second = [p.read_text() for p in recipe.stage_text(tmp_path, 0, 2)]
-    third = [p.read_text() for p in recipe.stage_text(tmp_path, 0, 3)]
+    assert recipe.stage_text(tmp_path, 0, 3) == []
+    third = [p.read_text() for p in recipe.stage_text(tmp_path, 0, 4)]
     code, docs = "\n\n".join(modules), "\n\n".join(recipe.docstrings(modules))
     assert [len(t) for t in second + third] == [400, 200, 300, 250]
     assert second[0] + third[0] == code[500:1200]
