@@ -742,13 +742,7 @@ def main() -> None:
         data = [regen_dir / f"{name}.jsonl.gz" for name in stage.shards]
         data += [CONTINUATION_DIR / f"{name}.jsonl.gz" for name in stage.continued]
         data += stage_text(work, args.seed, number)
-        flags = [
-            *LATER_STAGE_FLAGS,
-            "--steps",
-            str(stage.steps),
-            "--lr",
-            f"{stage.lr:g}",
-        ]
+        flags = [*LATER_STAGE_FLAGS, "--steps", str(stage.steps), "--lr", str(stage.lr)]
         flags += ["--init-from", str(previous), *validation, *store]
         train(target, data, drafter, flags, env)
     if not (drafter / "dspark_calibration.json").exists():
