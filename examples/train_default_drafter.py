@@ -69,6 +69,7 @@ import sysconfig
 import tarfile
 import zipfile
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain, zip_longest
 from pathlib import Path
@@ -426,6 +427,18 @@ def regeneration_prompts(tokenizer, prompts_file: Path, seed: int) -> list[dict]
     return chosen
 
 
+def committed_prompts(listing: Path, make: Callable[[], list[dict]]) -> list[dict]:
+    """The prompt list at ``listing`` (gzipped JSON lines), written from
+    ``make()`` (temporary file, then rename) only when it does not exist yet."""
+    if not listing.exists():
+        tmp = listing.with_name(f".{listing.name}.tmp")
+        with gzip.GzipFile(tmp, "wb", mtime=0) as f:
+            f.write("".join(json.dumps(i) + "\n" for i in make()).encode("utf-8"))
+        os.replace(tmp, listing)
+    with gzip.open(listing, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
 def regenerated(
     target: Path, files: list[Path], out: Path, seed: int, minutes: float | None
 ) -> list[Path]:
@@ -441,17 +454,10 @@ def regenerated(
 
     model, tokenizer = load(str(target))
     out.mkdir(parents=True, exist_ok=True)
-    listing = out / PROMPT_LIST
-    if not listing.exists():
-        items = regeneration_prompts(
-            tokenizer, next(f for f in files if f.name == "prompts.jsonl"), seed
-        )
-        tmp = listing.with_name(f".{listing.name}.tmp")
-        with gzip.GzipFile(tmp, "wb", mtime=0) as f:
-            f.write("".join(json.dumps(i) + "\n" for i in items).encode("utf-8"))
-        os.replace(tmp, listing)
-    with gzip.open(listing, "rt", encoding="utf-8") as f:
-        items = [json.loads(line) for line in f]
+    prompts_file = next(f for f in files if f.name == "prompts.jsonl")
+    items = committed_prompts(
+        out / PROMPT_LIST, lambda: regeneration_prompts(tokenizer, prompts_file, seed)
+    )
     kinds = [i["kind"] for i in items]
     print(
         "prompts: " + ", ".join(f"{k} {kinds.count(k)}" for k in dict.fromkeys(kinds))
@@ -501,15 +507,9 @@ def continued(target: Path, out: Path, seed: int, minutes: float | None) -> list
 
     model, tokenizer = load(str(target))
     out.mkdir(parents=True, exist_ok=True)
-    listing = out / PROMPT_LIST
-    if not listing.exists():
-        items = continuation_prompts(tokenizer, seed)
-        tmp = listing.with_name(f".{listing.name}.tmp")
-        with gzip.GzipFile(tmp, "wb", mtime=0) as f:
-            f.write("".join(json.dumps(i) + "\n" for i in items).encode("utf-8"))
-        os.replace(tmp, listing)
-    with gzip.open(listing, "rt", encoding="utf-8") as f:
-        items = [json.loads(line) for line in f]
+    items = committed_prompts(
+        out / PROMPT_LIST, lambda: continuation_prompts(tokenizer, seed)
+    )
     print(f"continuing {len(items)} beginnings into {out}", flush=True)
 
     def progress(done: int, total: int, tps: float) -> None:

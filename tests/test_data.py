@@ -267,3 +267,13 @@ def test_chained_curves_start_where_the_run_before_ended():
     second = ([0.5, 1.5], [1.25, 1.35])
     shifted = plot_learning_curves.chained([first, second])
     assert shifted == [first, ([5.5, 6.5], [1.25, 1.35])]
+
+
+def test_a_prompt_list_is_written_once_and_read_back(tmp_path):
+    listing = tmp_path / recipe.PROMPT_LIST
+    first = recipe.committed_prompts(listing, lambda: [{"kind": "code", "tokens": [1]}])
+    again = recipe.committed_prompts(
+        listing, lambda: [{"kind": "prose", "tokens": [2]}]
+    )
+    assert first == again == [{"kind": "code", "tokens": [1]}]
+    assert [p.name for p in tmp_path.iterdir()] == [recipe.PROMPT_LIST]
