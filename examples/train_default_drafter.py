@@ -440,7 +440,7 @@ def committed_prompts(listing: Path, make: Callable[[], list[dict]]) -> list[dic
 
 
 def regenerated(
-    target: Path, files: list[Path], out: Path, seed: int, minutes: float | None
+    model, tokenizer, files: list[Path], out: Path, seed: int, minutes: float | None
 ) -> list[Path]:
     """The target's own answers to the prompts, as shards in ``out`` (resumable).
 
@@ -448,11 +448,8 @@ def regenerated(
     read back by later runs, so shard ``i`` always answers the same prompts,
     whatever Python standard library or book sdists a later machine has.
     """
-    from mlx_lm import load
-
     from mlx_dspark.data import regenerate_shards
 
-    model, tokenizer = load(str(target))
     out.mkdir(parents=True, exist_ok=True)
     prompts_file = next(f for f in files if f.name == "prompts.jsonl")
     items = committed_prompts(
@@ -484,6 +481,8 @@ def continuation_prompts(tokenizer, seed: int) -> list[dict]:
     rng = random.Random(seed)
     code, prose = [], []
     for text in shuffled_modules(random.Random(seed)):
+        if len(code) == CONTINUATIONS["code"] and len(prose) == CONTINUATIONS["prose"]:
+            break
         tokens = tokenizer.encode(text)
         if len(tokens) > 4 * CONTINUATION_PREFIX and len(code) < CONTINUATIONS["code"]:
             start = rng.randrange(len(tokens) // 3, 2 * len(tokens) // 3)
@@ -497,15 +496,14 @@ def continuation_prompts(tokenizer, seed: int) -> list[dict]:
     return items
 
 
-def continued(target: Path, out: Path, seed: int, minutes: float | None) -> list[Path]:
+def continued(
+    model, tokenizer, out: Path, seed: int, minutes: float | None
+) -> list[Path]:
     """The target's continuations of :func:`continuation_prompts` as shards in
     ``out`` (resumable, like :func:`regenerated`; the prompt list is
     committed beside them)."""
-    from mlx_lm import load
-
     from mlx_dspark.data import regenerate_shards
 
-    model, tokenizer = load(str(target))
     out.mkdir(parents=True, exist_ok=True)
     items = committed_prompts(
         out / PROMPT_LIST, lambda: continuation_prompts(tokenizer, seed)
@@ -724,8 +722,12 @@ def main() -> None:
             raise SystemExit(f"--sweep needs regenerated answers in {regen_dir}.")
         sweep(work, target, answers, env)
         return
-    regenerated(target, files, regen_dir, args.seed, args.regen_minutes)
-    continued(target, CONTINUATION_DIR, args.seed, args.regen_minutes)
+    from mlx_lm import load
+
+    model, tokenizer = load(str(target))  # one load for answers and continuations
+    regenerated(model, tokenizer, files, regen_dir, args.seed, args.regen_minutes)
+    continued(model, tokenizer, CONTINUATION_DIR, args.seed, args.regen_minutes)
+    del model  # 0.5 GB, not held while the training subprocesses run
     if args.data_only:
         return
     answers = [regen_dir / f"{name}.jsonl.gz" for name in FIRST_SHARDS]
