@@ -146,7 +146,9 @@ class Stage:
 # continuing plain text, at 3e-4 (at 1e-3 a continuing run first lost about
 # 0.08 of validation tau and had not regained it after 300 steps). It accepts
 # more on held-out code and prose at T=0, less on chat and at T=1, and the
-# default policy stopped drafting on chat (README, "The default pair").
+# default policy stopped drafting on chat (README, "The default pair"). Stage
+# 6, not shipped yet: new answers and text after stage 5, at 3e-4; it accepts
+# more than stage 4 on held-out prompts at T=0, and its speed is not measured.
 LATER_STAGES = (
     Stage(("t000-0009", "t070-0008"), 200_000, 200_000, steps=160),
     Stage((*(f"t000-{i:04d}" for i in range(10, 14)),
@@ -156,6 +158,9 @@ LATER_STAGES = (
     Stage((), 0, 0, steps=240, lr=3e-4,
           continued=(*(f"t000-{i:04d}" for i in range(6)),
                      *(f"t070-{i:04d}" for i in range(6)))),
+    Stage((*(f"t000-{i:04d}" for i in range(20, 27)),
+           *(f"t070-{i:04d}" for i in range(20, 27))), 100_000, 100_000, steps=300,
+          lr=3e-4),
 )  # fmt: skip
 SHIPPED_STAGES = 4  # the stages behind mlx_dspark/assets/default_drafter
 LATER_STAGE_FLAGS = [*COMMON_FLAGS, "--markov-head", "vanilla", "--batch-size", "10",
@@ -185,9 +190,11 @@ VALIDATION_CHAT = (
     "What should I do if my houseplant's leaves turn yellow?",
 )
 VALIDATION_CODE_CHARS, VALIDATION_DOC_CHARS = 40_000, 20_000
-# 34 rounds from each of the 36 prompts: STS fitted on two thirds of them and
-# reported on the others (``mlx_dspark.calibrate``).
-CALIBRATE_FLAGS = ["--rounds", "1224", "--max-tokens", "96"]
+# 40 rounds from each of the 108 prompts: STS fitted on two thirds of them and
+# reported on the others (``mlx_dspark.calibrate``). On fewer rounds the ECE
+# is mostly sampling noise: on 408 held-out rounds a perfectly calibrated head
+# would show a position-1 ECE of about 0.06, on 1,440 about 0.03.
+CALIBRATE_FLAGS = ["--rounds", "4320", "--max-tokens", "128"]
 # Calibration prompts, none of them from the training templates (checked with
 # ``drafter_prompts.near_duplicates`` against the committed prompt list).
 CALIBRATION_PROMPTS = (
@@ -227,6 +234,78 @@ CALIBRATION_PROMPTS = (
     "A rectangle has a perimeter of 30 cm and is twice as long as it is wide. How long are its sides?",
     "Convert 72 degrees Fahrenheit to Celsius and explain the formula.",
     "What is the probability of rolling two sixes with two dice?",
+    "How do I get a stubborn jar lid open without tools?",
+    "What is the best way to introduce a new cat to a dog at home?",
+    "Write a short poem about the first snowfall of winter.",
+    "Why do we have leap years?",
+    "Suggest a weekly meal plan for someone who cooks only on Sundays.",
+    "How does a compass know which way is north?",
+    "Write a polite message asking a landlord to fix a leaking tap.",
+    "What are the pros and cons of working a four-day week?",
+    "Explain how vaccines train the immune system.",
+    "Give me three ideas for a rainy-day activity with young children.",
+    "How do noise-cancelling headphones work?",
+    "Write a two-sentence horror story set in a library.",
+    "What should I consider before adopting a rescue dog?",
+    "Describe the water cycle in a few sentences.",
+    "How can I make my morning routine less rushed?",
+    "Why do cats purr?",
+    "Write a short speech for a friend's retirement party.",
+    "What is the difference between an alligator and a crocodile?",
+    "How do I clean a cast iron pan after cooking?",
+    "Recommend a few hobbies that can be done in a small apartment.",
+    "What happens to the body during a long-distance run?",
+    "Write a product description for a handmade wooden chopping board.",
+    "How do tides work?",
+    "What are good questions to ask when buying a used car?",
+    "Explain why metal feels colder than wood at the same temperature.",
+    "Write a short dialogue between a barista and a sleepy customer.",
+    "How can I reduce food waste in my kitchen?",
+    "What is jet lag and how can I recover from it faster?",
+    "Give me advice on writing a clear cover letter.",
+    "Why does bread go stale?",
+    "Write a Python function that returns the longest common prefix of a list of strings.",
+    "Write a Python program that simulates rolling a die a thousand times and prints the counts.",
+    "How do I copy a nested dictionary in Python so that changes do not affect the original?",
+    "Explain what a Python decorator is with a small example.",
+    "How do I make a Python class sortable by one of its attributes?",
+    "How do I handle a missing key in a Python dictionary without an exception?",
+    "Write a Python script that renames every .jpg file in a folder with a date prefix.",
+    "Explain the difference between a process and a thread.",
+    "Write a JavaScript function that debounces another function.",
+    "What is the difference between an inner join and a left join in SQL?",
+    "How do I create and activate a virtual environment in Python?",
+    "Write a Python function that pads every line of a text block to the same width.",
+    "Explain big O notation with two short examples.",
+    "Write a Python dataclass for a book with a title, an author and a year.",
+    "How do I parse a JSON string into a Python object?",
+    "Write a function in C that counts the set bits in an unsigned integer.",
+    "Explain what a REST API is to a beginner.",
+    "Write a Python function that validates an email address with a regular expression.",
+    "What does the Python enumerate function do?",
+    "How do I measure how long a piece of Python code takes to run?",
+    "Write a unit test in Python for a function that adds two numbers.",
+    "Explain the difference between git merge and git pull.",
+    "Write a Python generator that yields overlapping windows of three items from a sequence.",
+    "How can I read a CSV file with the csv module in Python?",
+    "What is memoization and how does it speed up a recursive function?",
+    "A cyclist rides at 18 km per hour for 40 minutes. How far does she travel?",
+    "What is 15 percent of 240, and how do you work it out?",
+    "A recipe for 4 people needs 300 grams of flour. How much flour is needed for 10 people?",
+    "A bus leaves every 12 minutes from 6:00 am. At what time does the tenth bus leave?",
+    "Tom is three times as old as his son. In 12 years he will be twice as old. How old are they now?",
+    "A box holds 24 eggs. How many boxes are needed for 500 eggs?",
+    "Find the area of a circle with a radius of 7 cm.",
+    "A shop sells pens at 3 for 2 dollars. How much do 18 pens cost?",
+    "What is the average of 12, 17, 23 and 28?",
+    "A tank fills in 6 hours with one pump and in 4 hours with another. How long with both pumps?",
+    "Simplify the fraction 84/126 and explain each step.",
+    "A phone costs 480 dollars and its price rises by 5 percent. What is the new price?",
+    "A film starts at 7:45 pm and lasts 2 hours 20 minutes. When does it end?",
+    "Solve the equation 5x - 9 = 2x + 12.",
+    "A garden is 12 metres long and 8 metres wide. How much fencing goes around it?",
+    "If I save 35 dollars a week, how many weeks until I have 1000 dollars?",
+    "What is the next number in the sequence 2, 6, 12, 20, 30?",
 )
 # Never trained on: the evaluation, calibration and validation questions.
 HELD_OUT_PROMPTS = (*HELD_OUT_CHAT, *CALIBRATION_PROMPTS, *VALIDATION_CHAT)
