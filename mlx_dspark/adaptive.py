@@ -19,6 +19,11 @@ Predicted tokens/s for ``n`` drafts is ``E(n) / cost(n)``:
   ``drafted_window`` drafted rounds when there is a profile, else a robust
   line through them.
 
+Drafting stops only when even an optimistic first-draft acceptance (the
+estimate plus ``optimism`` standard errors of its decayed counts) predicts
+plain rounds faster: near the break-even acceptance a short run of rejected
+drafts says little, and once plain the policy learns only from probes.
+
 The choice is made before drafting from past rounds only, so it cannot
 depend on the drafts it admits: lossless like any fixed length. With an STS
 calibration, Algorithm 1 (:func:`~mlx_dspark.scheduler.schedule`) then cuts
@@ -79,6 +84,7 @@ class AdaptivePolicy(_Recording):
     prior: list[float] | None = None  # measured acceptance per position
     decay: float = 0.9
     prior_strength: float = 4.0
+    optimism: float = 1.0
     window: int = 5
     drafted_window: int = 12
     probe_after: int = 8
@@ -119,19 +125,35 @@ class AdaptivePolicy(_Recording):
 
     # -- estimates ---------------------------------------------------------
 
+    def _counts(self, k: int) -> tuple[float, float, float]:
+        """Position ``k``'s decayed kept and rejected counts and prior weight."""
+        s = self.successes[k] if k < len(self.successes) else 0.0
+        f = self.failures[k] if k < len(self.failures) else 0.0
+        seen = self.observations[k] if k < len(self.observations) else 0
+        return s, f, self.prior_strength * self.decay**seen  # the prior fades too
+
     def acceptance(self, cap: int) -> list[float]:
         """Conditional acceptance estimates p_1..p_cap."""
         rates, prior = [], 0.5
         for k in range(cap):
             if self.prior is not None and k < len(self.prior):
                 prior = self.prior[k]
-            s = self.successes[k] if k < len(self.successes) else 0.0
-            f = self.failures[k] if k < len(self.failures) else 0.0
-            seen = self.observations[k] if k < len(self.observations) else 0
-            weight = self.prior_strength * self.decay**seen  # the prior fades too
+            s, f, weight = self._counts(k)
             prior = (weight * prior + s) / (weight + s + f)
             rates.append(prior)
         return rates
+
+    def drafting_may_pay(self) -> bool:
+        """Whether one draft a round beats plain rounds at the optimistic
+        first-draft acceptance (``optimism`` standard errors above the
+        estimate)."""
+        p = self.acceptance(1)[0]
+        s, f, weight = self._counts(0)
+        p = min(
+            1.0, p + self.optimism * (p * (1.0 - p) / (weight + s + f + 1.0)) ** 0.5
+        )
+        plain, one = self.round_costs(1)
+        return (1.0 + p) / one > 1.0 / plain
 
     def _profile_cost(self, n: int) -> float:
         if n == 0:
@@ -188,11 +210,15 @@ class AdaptivePolicy(_Recording):
         """The best predicted length; among lengths within 1% of the best, the
         longest (cheap deeper drafts keep their acceptance measured). Lengths
         beyond twice the longest recently kept prefix (plus one) are not
-        considered: deep drafts are only tried once shallow ones are kept."""
+        considered: deep drafts are only tried once shallow ones are kept.
+        Plain (0) only when :meth:`drafting_may_pay` says no; else at least 1."""
         reach = max(self.kept, default=1) + 1
         rates = self.predicted_rates(min(cap, 2 * reach))
         best = 0.99 * max(rates)
-        return max(n for n, rate in enumerate(rates) if rate >= best)
+        length = max(n for n, rate in enumerate(rates) if rate >= best)
+        if length == 0 and cap > 0 and self.drafting_may_pay():
+            return 1
+        return length
 
     # -- the loop's hooks --------------------------------------------------
 
