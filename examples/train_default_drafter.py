@@ -148,7 +148,9 @@ class Stage:
 # code and prose at T=0, less on chat and at T=1. Stage 6 (shipped): new
 # answers and text after stage 5, at 3e-4; it accepts more than stage 4 on
 # every held-out set at T=0 and is faster with no flags (README, "The default
-# pair").
+# pair"). Stage 7, not shipped: the next answers and text after stage 6, at
+# 3e-4; its validation tau fell to 1.84 (stage 6: 1.91) and its held-out
+# acceptance is stage 6's within a few hundredths.
 LATER_STAGES = (
     Stage(("t000-0009", "t070-0008"), 200_000, 200_000, steps=160),
     Stage((*(f"t000-{i:04d}" for i in range(10, 14)),
@@ -160,6 +162,9 @@ LATER_STAGES = (
                      *(f"t070-{i:04d}" for i in range(6)))),
     Stage((*(f"t000-{i:04d}" for i in range(20, 27)),
            *(f"t070-{i:04d}" for i in range(20, 27))), 100_000, 100_000, steps=300,
+          lr=3e-4),
+    Stage((*(f"t000-{i:04d}" for i in range(27, 34)),
+           *(f"t070-{i:04d}" for i in range(27, 33))), 100_000, 100_000, steps=300,
           lr=3e-4),
 )  # fmt: skip
 SHIPPED_STAGES = 6  # the stages behind mlx_dspark/assets/default_drafter
