@@ -284,10 +284,10 @@ class TargetAdapter:
         self.layer_ids = [int(i) for i in layer_ids]
         last = len(self.layers) - 1
         for i in self.layer_ids:
-            if not -1 <= i < last:
+            if not -1 <= i <= last:
                 raise DSparkError(
-                    f"target_layer_ids {self.layer_ids} must lie in -1..{last - 1} "
-                    f"for a target with {len(self.layers)} layers (not its last layer)."
+                    f"target_layer_ids {self.layer_ids} must lie in -1..{last} "
+                    f"for a target with {len(self.layers)} layers."
                 )
         if self.is_gemma4:
             if not all(hasattr(inner, name) for name in _GEMMA4_PARTS):
@@ -514,10 +514,15 @@ class TargetAdapter:
         for i, (layer, c) in enumerate(zip(self.layers, cache, strict=True)):
             h = self._tree_block(layer, h, c, positions, bitmask, force_reference)
             if i in self.layer_ids:
-                taps.append(h)
+                taps.append(self._tap(i, h))
         logits = self.lm_head(self.inner.norm(h))
         features = mx.concatenate(taps, axis=-1) if taps else None
         return logits, features
+
+    def _tap(self, i: int, h: mx.array) -> mx.array:
+        """Layer ``i``'s output as DeepSpec taps it: Hugging Face's
+        ``hidden_states[i + 1]``, which for the last layer is normalised."""
+        return self.inner.norm(h) if i == len(self.layers) - 1 else h
 
     def hidden(self, tokens: mx.array, cache: list) -> tuple[mx.array, mx.array | None]:
         """Final normalised hidden states ``[B, L, d]`` (``lm_head`` input) and
@@ -530,7 +535,7 @@ class TargetAdapter:
         for i, (layer, c) in enumerate(zip(self.layers, cache, strict=True)):
             h = layer(h, mask, c)
             if i in self.layer_ids:
-                taps.append(h)
+                taps.append(self._tap(i, h))
         features = mx.concatenate(taps, axis=-1) if taps else None
         return self.inner.norm(h), features
 
@@ -564,7 +569,7 @@ class TargetAdapter:
             )
             shared[i] = (kvs, offset)
             if i in self.layer_ids:
-                taps.append(h)
+                taps.append(self._tap(i, h))
         features = mx.concatenate(taps, axis=-1) if taps else None
         return inner.norm(h), features
 

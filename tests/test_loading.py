@@ -97,7 +97,6 @@ def pair_dirs(tmp_path):
         ({"hidden_size": 96}, "hidden size"),
         ({"vocab_size": 40}, "vocabulary"),
         ({"num_target_layers": 5}, "layers"),
-        ({"target_layer_ids": [0, 1]}, "not its last layer"),
         ({"target_layer_ids": [7]}, "must lie in"),
         ({"mask_token_id": 99}, "mask_token_id"),
         ({"markov_head_type": "lstm"}, "markov_head_type"),
@@ -183,6 +182,20 @@ def test_adapter_taps_match_the_models_own_forward(family):
         atol=1e-6,
     )
     assert np.allclose(np.array(logits), np.array(model(tokens)), atol=1e-4)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_last_layers_tap_is_the_normalised_state_the_head_reads(family):
+    mx.random.seed(1)
+    model = FAMILIES[family]()
+    adapter = TargetAdapter(model, [0, 2])
+    tokens = mx.array([[1, 5, 9, 2, 7]])
+    logits, features = adapter(tokens, adapter.make_cache())
+    from_tap = adapter.lm_head(features[..., 64:])
+    assert np.allclose(np.array(from_tap), np.array(logits), atol=1e-5)
+    chain = list(range(-1, tokens.shape[1] - 1))
+    _, tree_features = adapter.tree_forward(tokens, chain, adapter.make_cache())
+    assert np.allclose(np.array(tree_features), np.array(features), atol=1e-4)
 
 
 def test_adapter_rolls_back_the_cache():

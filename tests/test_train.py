@@ -641,6 +641,30 @@ def test_init_from_a_trained_drafter_continues_it(setup, tmp_path):
         train(continued("other_rank", markov_rank=8))
 
 
+def test_init_from_may_retap_as_many_target_layers(setup):
+    """--init-from with other --target-layer-ids of the same count continues
+    the drafter on the new taps (the feature projection keeps its shape);
+    another count is refused."""
+    _, target_dir, model, _, _ = setup
+    first = train(base_args(setup, "tapped", steps=4))
+    ids = json.loads((first.out / "config.json").read_text())["target_layer_ids"]
+    last = len(model.layers) - 1
+    retapped = [*ids[:-1], last]
+    assert retapped != ids
+    result = train(
+        base_args(setup, "retapped", steps=2, init_from=str(first.out),
+                  target_layer_ids=retapped)
+    )  # fmt: skip
+    assert load(target_dir, result.out)[2].config.target_layer_ids == retapped
+    more = sorted({-1, last, *ids})
+    assert len(more) != len(ids)
+    with pytest.raises(DSparkError, match="--target-layer-ids"):
+        train(
+            base_args(setup, "more", steps=2, init_from=str(first.out),
+                      target_layer_ids=more)
+        )  # fmt: skip
+
+
 def test_a_finished_run_removes_its_checkpoint_and_follows_the_umask(setup):
     args = base_args(setup, "tidy", steps=4, checkpoint_every=2)
     result = train(args)

@@ -79,8 +79,8 @@ def build_parser(prog: str = "mlx_dspark.train") -> argparse.ArgumentParser:
         "--target-layer-ids",
         type=_layer_ids,
         default=None,
-        help="Target layers to tap, e.g. 1,8,15 (-1 = embeddings); none = spread "
-        "evenly.",
+        help="Target layers to tap, e.g. 1,8,15 (-1 = embeddings; the last layer is "
+        "tapped normalised, as the LM head reads it); none = spread evenly.",
     )
     add(
         "--confidence",

@@ -235,6 +235,8 @@ def check_same_shape(config: DraftConfig, trained: DraftConfig, path: Path) -> N
     ]
     if mine["num_hidden_layers"] > theirs["num_hidden_layers"]:
         differ.remove("num_hidden_layers")
+    if len(mine["target_layer_ids"]) == len(theirs["target_layer_ids"]):
+        differ = [k for k in differ if k != "target_layer_ids"]
     if not differ:
         return
     flags = [
