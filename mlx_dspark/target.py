@@ -514,15 +514,20 @@ class TargetAdapter:
         for i, (layer, c) in enumerate(zip(self.layers, cache, strict=True)):
             h = self._tree_block(layer, h, c, positions, bitmask, force_reference)
             if i in self.layer_ids:
-                taps.append(self._tap(i, h))
-        logits = self.lm_head(self.inner.norm(h))
-        features = mx.concatenate(taps, axis=-1) if taps else None
-        return logits, features
+                taps.append(h)
+        normed, features = self._finish(h, taps)
+        return self.lm_head(normed), features
 
-    def _tap(self, i: int, h: mx.array) -> mx.array:
-        """Layer ``i``'s output as DeepSpec taps it: Hugging Face's
-        ``hidden_states[i + 1]``, which for the last layer is normalised."""
-        return self.inner.norm(h) if i == len(self.layers) - 1 else h
+    def _finish(
+        self, h: mx.array, taps: list[mx.array]
+    ) -> tuple[mx.array, mx.array | None]:
+        """The final normalised state and the tapped features. DeepSpec taps
+        Hugging Face's ``hidden_states[i + 1]``, which for the last layer is
+        that normalised state, so its tap (always the last) is replaced by it."""
+        normed = self.inner.norm(h)
+        if len(self.layers) - 1 in self.layer_ids:
+            taps[-1] = normed
+        return normed, mx.concatenate(taps, axis=-1) if taps else None
 
     def hidden(self, tokens: mx.array, cache: list) -> tuple[mx.array, mx.array | None]:
         """Final normalised hidden states ``[B, L, d]`` (``lm_head`` input) and
@@ -535,9 +540,8 @@ class TargetAdapter:
         for i, (layer, c) in enumerate(zip(self.layers, cache, strict=True)):
             h = layer(h, mask, c)
             if i in self.layer_ids:
-                taps.append(self._tap(i, h))
-        features = mx.concatenate(taps, axis=-1) if taps else None
-        return self.inner.norm(h), features
+                taps.append(h)
+        return self._finish(h, taps)
 
     def _gemma4_hidden(
         self, tokens: mx.array, cache: list
@@ -569,9 +573,8 @@ class TargetAdapter:
             )
             shared[i] = (kvs, offset)
             if i in self.layer_ids:
-                taps.append(self._tap(i, h))
-        features = mx.concatenate(taps, axis=-1) if taps else None
-        return inner.norm(h), features
+                taps.append(h)
+        return self._finish(h, taps)
 
     def __call__(
         self, tokens: mx.array, cache: list
