@@ -61,7 +61,6 @@ def main() -> None:
         target, 0, vocab.ids, init_from_target=True,
     )  # fmt: skip
     step = make_step(drafter, optim.AdamW(learning_rate=1e-4), 1.0)
-    ids = mx.array(vocab.ids)
     rng = np.random.default_rng(0)
     for i in range(3):
         chosen = sequences[i * count : (i + 1) * count]
@@ -73,13 +72,12 @@ def main() -> None:
         hidden, features = target.hidden(batch.tokens, target.make_cache())
         mx.eval(hidden, features)
         t1 = seconds()
-        probs, outside = target_distribution(target, hidden, ids)
-        mx.eval(probs, outside)
+        probs, outside = target_distribution(target, hidden, vocab.ids)
         t2 = seconds()
         step(
             features.astype(mx.float32),
-            _gather(probs, batch.positions),
-            _gather(outside, batch.positions),
+            _gather(mx.array(probs), batch.positions),
+            _gather(mx.array(outside), batch.positions),
             batch,
         )
         t3 = seconds()

@@ -497,6 +497,29 @@ def test_stored_teacher_loss_equals_on_the_fly(setup, tmp_path, draft_vocab):
                 assert mx.allclose(g, dict(tree_flatten(grads))[name], atol=1e-5), name
 
 
+@pytest.mark.parametrize("draft_vocab", [None, 12])
+def test_target_distribution_is_the_softmax_over_the_draft_vocabulary(
+    setup, draft_vocab
+):
+    """The teacher's probabilities of the draft ids and the mass outside them
+    are the target's softmax, computed in float64, to float32 precision."""
+    _, _, model, tokenizer, data = setup
+    _, target, ids = _tiny_drafter(model, draft_vocab=draft_vocab)
+    sequences, _ = load_sequences([data], tokenizer, 64)
+    tokens = mx.array(np.stack([s.tokens[:40] for s in sequences[:3]]))
+    hidden, _ = target.hidden(tokens, target.make_cache())
+    probs, outside = teacher_module.target_distribution(target, hidden, ids)
+    logits = np.array(target.lm_head(hidden).astype(mx.float32), dtype=np.float64)
+    exact = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    exact /= exact.sum(axis=-1, keepdims=True)
+    inside = np.arange(32) if ids is None else ids
+    assert probs.shape == (3, 40, len(inside)) and outside.shape == (3, 40)
+    assert np.abs(probs - exact[..., inside]).max() < 1e-6
+    assert np.abs(outside - (1.0 - exact[..., inside].sum(axis=-1))).max() < 1e-6
+    if ids is not None:
+        assert outside.max() > 0.01
+
+
 def test_interrupted_teacher_store_continues_where_it_stopped(
     setup, tmp_path, monkeypatch
 ):
