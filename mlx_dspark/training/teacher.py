@@ -56,7 +56,8 @@ def target_distribution(
     weights = np.exp(logits, out=logits)
     total = weights.sum(axis=-1)
     if draft_ids is None:
-        return weights / total[..., None], np.zeros(total.shape, np.float32)
+        weights /= total[..., None]
+        return weights, np.zeros(total.shape, np.float32)
     rest = np.ones(weights.shape[-1], np.float32)
     rest[draft_ids] = 0.0
     return weights[..., draft_ids] / total[..., None], (weights @ rest) / total
@@ -248,7 +249,7 @@ def _teacher_rows(
     elif feature_dtype == "bfloat16":
         features = features.astype(mx.bfloat16).view(mx.uint16)
     probs = probs.astype(np.float32 if exact else np.float16)
-    return np.asarray(features), probs, outside.astype(np.float32)
+    return np.asarray(features), probs, outside
 
 
 def _read_progress(directory: Path, plan: dict) -> dict | None:
