@@ -43,7 +43,7 @@ from statistics import median
 from .drafter import Proposal
 from .loop import RoundStats
 from .memory import MemoryGuard
-from .policies import _raw_confidence, _Recording, calibrated_survival, guarded_cap
+from .policies import _Recording, guarded_cap, proposal_survival
 from .scheduler import StepRateCurve, schedule
 
 # Without any measurement or profile: a drafting round costs this many plain
@@ -75,8 +75,8 @@ class AdaptivePolicy(_Recording):
     """Per-round draft length 0..cap maximising predicted tokens/s.
 
     ``profile`` (a cached :class:`StepRateCurve`) seeds costs not measured
-    yet; ``temperatures`` (an STS calibration) turn on Algorithm 1 inside a
-    drafted block; ``guard`` lowers the cap under memory pressure.
+    yet; ``calibration`` (the pair's) turns on Algorithm 1 inside a drafted
+    block; ``guard`` lowers the cap under memory pressure.
     """
 
     profile: StepRateCurve | None = None
@@ -256,15 +256,15 @@ class AdaptivePolicy(_Recording):
         return min(self.choice, cap)
 
     def draft_length(self, proposal: Proposal, cap: int) -> int:
-        if self.temperatures is None:
+        if self.calibration is None:
             return cap
-        z = _raw_confidence(proposal, cap)
-        if z is None:
+        survival = proposal_survival(proposal, cap, self.calibration)
+        if survival is None:
             return cap
         costs = self.round_costs(cap)
         costs[0] = costs[1]  # the block is drafted already: verifying 0 saves little
         curve = StepRateCurve(list(range(1, cap + 2)), [1.0 / t for t in costs])
-        return schedule([calibrated_survival(z, self.temperatures)], curve, [cap])[0]
+        return schedule([survival], curve, [cap])[0]
 
     def observe(self, proposal: Proposal, round_stats: RoundStats) -> None:
         super().observe(proposal, round_stats)

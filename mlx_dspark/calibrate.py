@@ -1,13 +1,15 @@
-"""Calibrate a drafter's confidence head with Sequential Temperature Scaling.
+"""Calibrate a drafter's confidence head against its target.
 
 Usage (the command line is in :mod:`mlx_dspark.cli.calibrate`)::
 
     mlx_dspark calibrate --model T --draft-model D [--prompts FILE] [--rounds N] [--out PATH]
 
 Runs full-block speculative rounds through the generation loop on held-out
-prompts, records per position the raw confidence logit and whether the draft
-survived, fits one temperature per position (left to right), reports ECE and
-ROC-AUC before/after, and stores the result beside the drafter
+prompts, records per position the raw confidence logit, the draft's top
+log-probability and whether the draft survived, fits per position a
+temperature, an offset and a weight on the top log-probability (left to
+right, :func:`~mlx_dspark.calibration.fit_sts_offset`), reports ECE and ROC-AUC
+before/after, and stores the result beside the drafter
 (``<drafter>/dspark_calibration.json``) or, when that directory is not
 writable, in the user cache keyed by the pair. :func:`find_calibration` (used
 by the generation path) looks in both places.
@@ -30,7 +32,9 @@ from .calibration import (
     CalibrationResult,
     evaluate,
     fit_sts,
+    fit_sts_offset,
     records_to_arrays,
+    records_top_logprobs,
 )
 from .drafter import DSparkDrafter, Proposal
 from .errors import DSparkError
@@ -71,9 +75,12 @@ class RecordingPolicy:
     def observe(self, proposal: Proposal, round_stats: RoundStats) -> None:
         if proposal.confidence is None or round_stats.drafted == 0:
             return
-        z = np.array(proposal.confidence[0, : round_stats.drafted].astype(mx.float32))
+        n = round_stats.drafted
+        z = np.array(proposal.confidence[0, :n].astype(mx.float32))
+        top = proposal.top_logprob
+        top = None if top is None else np.array(top[0, :n])
         self.records.append(
-            CalibrationRecord(z, round_stats.verified, round_stats.accepted)
+            CalibrationRecord(z, round_stats.verified, round_stats.accepted, top)
         )
 
 
@@ -192,17 +199,33 @@ def collect_records(
 def fit_records(
     records: list[CalibrationRecord], groups: list[int], n_positions: int
 ) -> CalibrationResult:
-    """Fit STS on two thirds of the prompts (by index) and report before/after
-    on the rounds of the other third, prompts the temperatures never saw; on
-    all rounds when there are fewer than 40 or fewer than 3 prompts."""
+    """Fit the calibration on two thirds of the prompts (by index) and report
+    before/after on the rounds of the other third, prompts the fit never saw;
+    on all rounds when there are fewer than 40 or fewer than 3 prompts. With
+    the drafts' top log-probabilities recorded the fit is STS with an offset
+    and a weight on them (:func:`fit_sts_offset`), else plain STS."""
     logits, survived, valid = records_to_arrays(records, n_positions)
+    tops = records_top_logprobs(records, n_positions)
     held = np.array([g % 3 == 2 for g in groups])
     if len(records) < 40 or len(set(groups)) < 3:
         held[:] = False
     fit = ~held
-    temps = fit_sts(logits[fit], survived[fit], valid=valid[fit])
     report = held if held.any() else fit
-    return evaluate(logits[report], survived[report], temps, valid=valid[report])
+    if tops is None:
+        temps = fit_sts(logits[fit], survived[fit], valid=valid[fit])
+        return evaluate(logits[report], survived[report], temps, valid=valid[report])
+    temps, weights, offsets = fit_sts_offset(
+        logits[fit], tops[fit], survived[fit], valid=valid[fit]
+    )
+    return evaluate(
+        logits[report],
+        survived[report],
+        temps,
+        valid=valid[report],
+        tops=tops[report],
+        top_weights=weights,
+        offsets=offsets,
+    )
 
 
 def calibrate_pair(

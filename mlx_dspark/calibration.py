@@ -1,5 +1,13 @@
 """Confidence-head calibration: ECE, AUROC and Sequential Temperature Scaling.
 
+Position k's calibrated confidence is c_k = sigmoid(z_k / T_k + w_k t_k + b_k):
+STS's temperature T_k on the head's raw logit z_k, plus an offset b_k and a
+weight w_k on t_k, the largest log-probability in draft k's own distribution
+(w = b = 0 is plain STS). A temperature cannot remove a bias (sigmoid(0) stays
+one half), and t_k ranks drafts that will be accepted better than the head
+does on the default pair; t_k describes the distribution, not the token drawn
+from it, so the scheduler may read it before deciding to verify draft k.
+
 Data model. One speculative round gives, for every block position k = 1..K, the
 raw confidence logit z_k (pre-sigmoid) and the verification outcome. The label
 of position k is "the prefix 1..k was accepted" (DeepSpec's target for the
@@ -108,12 +116,14 @@ class CalibrationRecord:
     """One round: confidence logits at every block position and the outcome.
 
     ``n_verified`` drafts were sent to the target, of which the first
-    ``n_accepted`` were accepted (``n_accepted <= n_verified <= len(logits)``).
+    ``n_accepted`` were accepted (``n_accepted <= n_verified <= len(logits)``);
+    ``top_logprobs`` are the drafts' top log-probabilities, when recorded.
     """
 
     logits: np.ndarray
     n_verified: int
     n_accepted: int
+    top_logprobs: np.ndarray | None = None
 
 
 def records_to_arrays(
@@ -140,25 +150,52 @@ def records_to_arrays(
     return logits, survived, valid
 
 
+def records_top_logprobs(
+    records: list[CalibrationRecord], n_positions: int | None = None
+) -> np.ndarray | None:
+    """The rounds' top log-probabilities as [rounds, K] (0 where none was
+    drafted), or None when a round did not record them."""
+    if not records or any(r.top_logprobs is None for r in records):
+        return None
+    k = n_positions or max(len(r.logits) for r in records)
+    tops = np.zeros((len(records), k))
+    for i, rec in enumerate(records):
+        t = np.asarray(rec.top_logprobs, dtype=np.float64)[:k]
+        tops[i, : t.size] = t
+    return tops
+
+
 def prefix_labels(survived: np.ndarray) -> np.ndarray:
     """Force "prefix accepted" semantics: zero every position after the first 0."""
     return np.minimum.accumulate(np.asarray(survived, dtype=bool), axis=-1)
 
 
 def apply_sts(
-    logits: np.ndarray, temperatures: np.ndarray | list[float]
+    logits: np.ndarray,
+    temperatures: np.ndarray | list[float],
+    offsets: np.ndarray | list[float] | None = None,
+    tops: np.ndarray | None = None,
+    top_weights: np.ndarray | list[float] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Calibrated per-position confidences c_k and prefix survivals a_k.
 
-    ``logits`` is [..., K'] with K' <= len(temperatures); position k uses
-    temperature k.
+    ``logits`` (and ``tops``, the drafts' top log-probabilities, needed when
+    ``top_weights`` are given) is [..., K'] with K' <= len(temperatures);
+    position k uses temperature, offset and top weight k.
     """
     logits = np.asarray(logits, dtype=np.float64)
     temps = np.asarray(temperatures, dtype=np.float64)
     k = logits.shape[-1]
     if k > temps.size:
         raise ValueError(f"{k} positions but only {temps.size} temperatures")
-    c = sigmoid(logits / temps[:k])
+    x = logits / temps[:k]
+    if offsets is not None and len(offsets):
+        x = x + np.asarray(offsets, dtype=np.float64)[:k]
+    if top_weights is not None and len(top_weights):
+        if tops is None:
+            raise ValueError("this calibration reads the drafts' top log-probabilities")
+        x = x + np.asarray(top_weights, dtype=np.float64)[:k] * np.asarray(tops)
+    c = sigmoid(x)
     return c, np.cumprod(c, axis=-1)
 
 
@@ -212,6 +249,59 @@ def fit_sts(
     return temps
 
 
+def _logistic(x: np.ndarray, y: np.ndarray, ridge: float) -> np.ndarray:
+    """Weights (the last one the intercept) minimising the summed log loss of
+    sigmoid(x @ w[:-1] + w[-1]) plus ``ridge / 2`` times the squared weights
+    but the intercept, by Newton's method."""
+    x = np.c_[x, np.ones(len(x))]
+    penalty = np.full(x.shape[1], ridge)
+    penalty[-1] = 1e-9
+    w = np.zeros(x.shape[1])
+    for _ in range(50):
+        p = sigmoid(x @ w)
+        grad = x.T @ (p - y) + penalty * w
+        hess = (x * (p * (1 - p))[:, None]).T @ x + np.diag(penalty)
+        step = np.linalg.solve(hess, grad)
+        w -= step
+        if np.abs(step).max() < 1e-10:
+            break
+    return w
+
+
+def fit_sts_offset(
+    logits: np.ndarray,
+    tops: np.ndarray,
+    survived: np.ndarray,
+    valid: np.ndarray | None = None,
+    ridge: float = 1.0,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Temperatures, top-log-probability weights and offsets, one each a position.
+
+    c_k is the probability that draft k survives given that drafts 1..k-1
+    did, so position k is a logistic regression of survival on (z_k, t_k)
+    over the rounds whose prefix 1..k-1 was accepted and whose draft k was
+    verified; the a_k = c_1 ... c_k are then calibrated when the c_k are. The
+    ridge, worth about as much as one round, keeps the late positions, which
+    few rounds reach, near a constant. A position no round reached keeps
+    T = 1, w = b = 0; where the head adds nothing beyond t_k, T = 1000.
+    """
+    logits = np.asarray(logits, dtype=np.float64)
+    tops = np.asarray(tops, dtype=np.float64)
+    labels = prefix_labels(survived)
+    valid = np.ones(logits.shape, bool) if valid is None else np.asarray(valid, bool)
+    k_max = logits.shape[1]
+    temps, weights, offsets = np.ones(k_max), np.zeros(k_max), np.zeros(k_max)
+    reached = np.ones(logits.shape[0], dtype=bool)
+    for k in range(k_max):
+        m = reached & valid[:, k]
+        if m.any():
+            x = np.stack([logits[m, k], tops[m, k]], axis=1)
+            scale, weights[k], offsets[k] = _logistic(x, labels[m, k], ridge)
+            temps[k] = 1.0 / scale if scale > 1e-3 else 1e3
+        reached = labels[:, k]
+    return temps, weights, offsets
+
+
 def _clean(values: list[float]) -> list[float | None]:
     return [None if (v is None or not math.isfinite(v)) else float(v) for v in values]
 
@@ -220,15 +310,25 @@ def _restore(values: list[float | None]) -> list[float]:
     return [float("nan") if v is None else float(v) for v in values]
 
 
-_PER_POSITION = ("temperatures", "ece_before", "ece_after", "auc_before", "auc_after")
+_PER_POSITION = (
+    "temperatures",
+    "top_weights",
+    "offsets",
+    "ece_before",
+    "ece_after",
+    "auc_before",
+    "auc_after",
+)
 
 
 @dataclass
 class CalibrationResult:
-    """Fitted STS temperatures and before/after metrics per position.
+    """Fitted calibration and before/after metrics per position.
 
-    ``reliability_before``/``reliability_after``: per position, per bin
-    ``[mean prediction, mean outcome, count]`` of the cumulative product.
+    ``top_weights`` and ``offsets`` are empty in a plain STS calibration (and in
+    files written before they existed). ``reliability_before``/
+    ``reliability_after``: per position, per bin ``[mean prediction, mean
+    outcome, count]`` of the cumulative product.
     """
 
     temperatures: list[float]
@@ -241,6 +341,8 @@ class CalibrationResult:
     reliability_before: list[list[list[float]]] = field(default_factory=list)
     reliability_after: list[list[list[float]]] = field(default_factory=list)
     measured_with: str | None = None  # the drafter weights, when converted since
+    top_weights: list[float] = field(default_factory=list)
+    offsets: list[float] = field(default_factory=list)
 
     def save(self, path: str | Path) -> None:
         data = asdict(self)
@@ -255,7 +357,8 @@ class CalibrationResult:
         try:
             data = json.loads(Path(path).read_text())
             for key in _PER_POSITION:
-                data[key] = _restore(data[key])
+                if key in data:
+                    data[key] = _restore(data[key])
             for key in ("reliability_before", "reliability_after"):
                 data[key] = [[_restore(b) for b in pos] for pos in data.get(key, [])]
             return cls(**data)
@@ -265,6 +368,27 @@ class CalibrationResult:
             raise DSparkError(
                 f"Calibration file {path} is not a valid calibration result."
             ) from None
+
+    def survival(self, raw: np.ndarray, tops: np.ndarray | None = None) -> np.ndarray:
+        """Prefix survival a_1..a_K of one round from its raw confidence
+        logits (and the drafts' top log-probabilities); a position past the
+        fitted ones, or with an unusable temperature, stays uncalibrated."""
+        z = np.asarray(raw, dtype=np.float64).ravel()
+        k = min(z.size, len(self.temperatures))
+
+        def known(values: list[float], default: float) -> np.ndarray:
+            out = np.full(z.size, default)
+            given = np.asarray(values[:k], dtype=np.float64)
+            out[: given.size] = given
+            return np.where(np.isfinite(out), out, default)
+
+        temps = known(self.temperatures, 1.0)
+        temps = np.where(temps > 0, temps, 1.0)
+        weights = known(self.top_weights, 0.0)
+        if tops is None and weights.any():
+            raise ValueError("this calibration reads the drafts' top log-probabilities")
+        top = np.zeros(z.size) if tops is None else np.asarray(tops).ravel()
+        return apply_sts(z, temps, known(self.offsets, 0.0), top, weights)[1]
 
     def acceptance(self) -> list[float]:
         """Conditional acceptance per position measured in the calibration
@@ -304,7 +428,7 @@ class CalibrationResult:
             ax.plot([0, 1], [0, 1], "--", color="0.6", linewidth=1)
             for rel, label, color in (
                 (self.reliability_before, "raw", "C3"),
-                (self.reliability_after, "STS", "C0"),
+                (self.reliability_after, "calibrated", "C0"),
             ):
                 if pos < len(rel):
                     bins = np.asarray(rel[pos], dtype=np.float64)
@@ -372,16 +496,19 @@ def evaluate(
     temperatures: np.ndarray | list[float],
     valid: np.ndarray | None = None,
     n_bins: int = 15,
+    tops: np.ndarray | None = None,
+    top_weights: np.ndarray | list[float] | None = None,
+    offsets: np.ndarray | list[float] | None = None,
 ) -> CalibrationResult:
-    """Metrics of given temperatures against raw scores (T = 1) on some rounds."""
+    """Metrics of a given calibration against raw scores (T = 1) on some rounds."""
     logits = np.asarray(logits, dtype=np.float64)
     labels = prefix_labels(survived).astype(np.float64)
     valid = np.ones(logits.shape, bool) if valid is None else np.asarray(valid, bool)
     temps = np.asarray(temperatures, dtype=np.float64)
     _, a_raw = apply_sts(logits, np.ones(logits.shape[1]))
-    _, a_sts = apply_sts(logits, temps)
+    _, a_cal = apply_sts(logits, temps, offsets, tops, top_weights)
     ece_b, auc_b, rel_b = _metrics(a_raw, labels, valid, n_bins)
-    ece_a, auc_a, rel_a = _metrics(a_sts, labels, valid, n_bins)
+    ece_a, auc_a, rel_a = _metrics(a_cal, labels, valid, n_bins)
     return CalibrationResult(
         temperatures=temps.tolist(),
         ece_before=ece_b,
@@ -392,4 +519,6 @@ def evaluate(
         n_bins=n_bins,
         reliability_before=rel_b,
         reliability_after=rel_a,
+        top_weights=[] if top_weights is None else list(map(float, top_weights)),
+        offsets=[] if offsets is None else list(map(float, offsets)),
     )

@@ -40,12 +40,25 @@ class DraftCache:
 
 @dataclass
 class Proposal:
-    """Draft tokens for one round with the distributions they were drawn from."""
+    """Draft tokens for one round with the distributions they were drawn from.
+
+    ``top_logprob[:, k]`` is the largest log-probability of the softmax of
+    ``logits[:, k]`` (before any sampling temperature): a property of draft
+    ``k``'s distribution, not of the token drawn from it, so a scheduler may
+    read it before deciding to verify draft ``k``.
+    """
 
     tokens: mx.array
     logits: mx.array
     confidence: mx.array | None = None
     extra: dict = field(default_factory=dict)
+    top_logprob: mx.array | None = None
+
+
+def top_logprob(logits: mx.array) -> mx.array:
+    """The largest log-probability of each row's softmax, in float32."""
+    logits = logits.astype(mx.float32)
+    return logits.max(axis=-1) - mx.logsumexp(logits, axis=-1)
 
 
 class DraftAttention(nn.Module):
@@ -439,12 +452,14 @@ class DSparkDrafter(nn.Module):
         target vocabulary (a reduced draft vocabulary is scattered into it).
         Greedy drafts are taken from the draft-vocabulary rows directly, so
         their full-vocabulary logits are left unevaluated until a consumer
-        reads them. ``confidence=False`` skips the confidence head.
+        reads them. ``confidence=False`` skips the confidence head and the
+        top log-probabilities the calibration reads beside it.
         """
         hidden = hidden[:, :n]
         base = self.logits(hidden)
         keys = [None] * n if key is None else list(mx.random.split(key, n))
         if self.markov_head is None:
+            rows = base
             corrected = self.to_target(base)
             if params.greedy:
                 tokens = self.draft_ids_to_target(base)
@@ -455,8 +470,8 @@ class DSparkDrafter(nn.Module):
                 )
         elif params.greedy:
             chain = self._compiled_chain or self.greedy_chain
-            tokens, corrected = chain(base, hidden, anchor)
-            corrected = self.to_target(corrected)
+            tokens, rows = chain(base, hidden, anchor)
+            corrected = self.to_target(rows)
         else:
             head = self.markov_head
             state = head.initial_state(anchor.shape)
@@ -467,11 +482,15 @@ class DSparkDrafter(nn.Module):
                 prev = sample(row, params, keys[k])
                 tokens.append(prev)
                 rows.append(row)
-            tokens, corrected = mx.stack(tokens, axis=1), mx.stack(rows, axis=1)
+            tokens, rows = mx.stack(tokens, axis=1), mx.stack(rows, axis=1)
+            corrected = rows
         if not confidence:
             return Proposal(tokens, corrected)
         return Proposal(
-            tokens, corrected, self.chain_confidence(hidden, anchor, tokens)
+            tokens,
+            corrected,
+            self.chain_confidence(hidden, anchor, tokens),
+            top_logprob=top_logprob(rows),
         )
 
     def greedy_chain(

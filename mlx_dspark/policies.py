@@ -1,9 +1,11 @@
 """Draft policies that plug the scheduler into the generation loop, and the
 batched verification entry point.
 
-:class:`SchedulerPolicy` is Algorithm 1 on the STS-calibrated prefix survival
-``a_j = prod_{i<=j} sigmoid(z_i / T_i)``. ``a_j`` is a function of the drafts
-before ``j`` only (the confidence head reads the previous sampled token), and
+:class:`SchedulerPolicy` is Algorithm 1 on the calibrated prefix survival
+``a_j = prod_{i<=j} sigmoid(z_i / T_i + w_i t_i + b_i)``
+(:mod:`~mlx_dspark.calibration`). ``a_j`` is a function of the drafts before
+``j`` only (the confidence head reads the previous sampled token, and ``t_i``
+is the top log-probability of draft ``i``'s distribution, not of its token), and
 :func:`~mlx_dspark.scheduler.schedule` decides position ``k`` from ``a_1..a_k``,
 so the verified length never depends on the draft being tested: lossless. The
 round's cap comes from the memory guard, which reads memory pressure, never
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import numpy as np
 
-from .calibration import apply_sts
+from .calibration import CalibrationResult, apply_sts
 from .drafter import Proposal
 from .loop import DraftPolicy, RoundStats
 from .memory import MemoryGuard
@@ -37,22 +39,45 @@ if TYPE_CHECKING:
 
 
 def calibrated_survival(
-    raw_confidence: np.ndarray, temperatures: Sequence[float] | None = None
+    raw_confidence: np.ndarray,
+    calibration: CalibrationResult | None = None,
+    tops: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Prefix survival a_1..a_K from raw confidence logits (T = 1 where no
-    temperature is known)."""
+    """Prefix survival a_1..a_K from raw confidence logits (and the drafts'
+    top log-probabilities); uncalibrated (T = 1) without a calibration."""
+    if calibration is not None:
+        return calibration.survival(raw_confidence, tops)
     z = np.asarray(raw_confidence, dtype=np.float64).ravel()
-    temps = np.ones(z.size)
-    if temperatures is not None:
-        known = np.asarray(list(temperatures)[: z.size], dtype=np.float64)
-        temps[: known.size] = np.where(np.isfinite(known) & (known > 0), known, 1.0)
-    return apply_sts(z, temps)[1]
+    return apply_sts(z, np.ones(z.size))[1]
 
 
 def _raw_confidence(proposal: Proposal, cap: int, row: int = 0) -> np.ndarray | None:
     if proposal.confidence is None or cap <= 0:
         return None
     return np.array(proposal.confidence[row, :cap].astype(mx.float32))
+
+
+def _top_logprobs(proposal: Proposal, cap: int, row: int = 0) -> np.ndarray | None:
+    if proposal.top_logprob is None or cap <= 0:
+        return None
+    return np.array(proposal.top_logprob[row, :cap])
+
+
+def proposal_survival(
+    proposal: Proposal,
+    cap: int,
+    calibration: CalibrationResult | None,
+    row: int = 0,
+) -> np.ndarray | None:
+    """Calibrated prefix survival of a proposal's first ``cap`` drafts (None
+    without confidences). The top log-probabilities are evaluated only for a
+    calibration that weighs them."""
+    z = _raw_confidence(proposal, cap, row)
+    if z is None:
+        return None
+    weighs_tops = calibration is not None and any(calibration.top_weights)
+    tops = _top_logprobs(proposal, cap, row) if weighs_tops else None
+    return calibrated_survival(z, calibration, tops)
 
 
 def guarded_cap(guard: MemoryGuard | None, telemetry: Telemetry, cap: int) -> int:
@@ -71,7 +96,7 @@ def guarded_cap(guard: MemoryGuard | None, telemetry: Telemetry, cap: int) -> in
 class _Recording:
     """Telemetry for every round: cap, admitted, expected vs actual accepted."""
 
-    temperatures: list[float] | None = None
+    calibration: CalibrationResult | None = None
     telemetry: Telemetry = field(default_factory=Telemetry)
 
     def observe(self, proposal: Proposal, round_stats: RoundStats) -> None:
@@ -80,8 +105,7 @@ class _Recording:
     def _record(self, proposal: Proposal, round_stats: RoundStats) -> np.ndarray | None:
         """Record the round's telemetry; returns the calibrated survival of its
         verified drafts (None without confidences)."""
-        z = _raw_confidence(proposal, round_stats.verified)
-        survival = None if z is None else calibrated_survival(z, self.temperatures)
+        survival = proposal_survival(proposal, round_stats.verified, self.calibration)
         expected = 0.0 if survival is None else float(survival.sum())
         self.telemetry.record_round(
             round_stats.drafted,
@@ -141,10 +165,9 @@ class SchedulerPolicy(_Recording):
         return cap
 
     def survival(self, proposal: Proposal, cap: int, row: int = 0) -> np.ndarray:
-        z = _raw_confidence(proposal, cap, row)
-        if z is None:
+        survival = proposal_survival(proposal, cap, self.calibration, row)
+        if survival is None:
             return np.ones(0)
-        survival = calibrated_survival(z, self.temperatures)
         n = min(survival.size, self.predicted.size)
         w = self.prior_weight
         ratio = np.ones(survival.size)
@@ -260,7 +283,7 @@ def resolve_policy(
 
     knobs = settings.scheduler
     found = find_calibration(model, drafter)
-    temperatures = None if found is None else list(found[0].temperatures)
+    calibration = None if found is None else found[0]
     cal_path = None if found is None else str(found[1])
     if settings.policy == "adaptive":
         from .adaptive import AdaptivePolicy
@@ -268,7 +291,7 @@ def resolve_policy(
         guard = MemoryGuard.from_settings(knobs, settings.num_draft, memory_source)
         cached = load_profile(model, drafter)
         policy = AdaptivePolicy(
-            temperatures,
+            calibration,
             telemetry_for(found),
             cached,
             guard,
@@ -284,7 +307,7 @@ def resolve_policy(
     telemetry = telemetry_for(found)
     if settings.policy != "auto":
         inner = ThresholdPolicy(knobs.confidence_threshold)
-        policy = MonitoredPolicy(temperatures, telemetry, inner)
+        policy = MonitoredPolicy(calibration, telemetry, inner)
         return ResolvedPolicy(policy, settings.policy, None, cal_path)
     note = None
     if found is None:
@@ -294,7 +317,7 @@ def resolve_policy(
         )
     curve = get_profile(model, drafter, settings.profile, progress=progress)
     guard = MemoryGuard.from_settings(knobs, settings.num_draft, memory_source)
-    policy = SchedulerPolicy(temperatures, telemetry, curve, knobs, guard)
+    policy = SchedulerPolicy(calibration, telemetry, curve, knobs, guard)
     used = profile_path(profile_key(model, drafter))
     used = str(used) if used.is_file() else None
     return ResolvedPolicy(policy, "auto", note, cal_path, used)

@@ -15,6 +15,7 @@ from mlx_dspark.calibration import (
     evaluate,
     expected_calibration_error,
     fit_sts,
+    fit_sts_offset,
     prefix_labels,
     records_to_arrays,
     roc_auc,
@@ -132,6 +133,76 @@ def test_sts_respects_valid_mask():
     temps = fit_sts(z, survived, valid=valid)
     assert temps[3] == 1.0  # no data: left at identity
     assert temps[:3].tolist() == fit_sts(z[:, :3], survived[:, :3]).tolist()
+
+
+W_TRUE, B_TRUE = np.array([1.5, 0.0, 1.0, 0.5]), np.array([-1.0, 0.5, -0.5, 0.0])
+
+
+def biased_rounds(n, seed):
+    """Logits z and top log-probabilities t; draft k survives (given 1..k-1
+    did) with p = sigmoid(z/T_k + w_k t_k + b_k)."""
+    rng = np.random.default_rng(seed)
+    z = rng.normal(2.0, 2.0, size=(n, len(T_TRUE)))
+    t = -rng.exponential(1.0, size=z.shape)
+    p = sigmoid(z / T_TRUE + W_TRUE * t + B_TRUE)
+    return z, t, prefix_labels(rng.random(z.shape) < p)
+
+
+def test_offset_fit_recovers_the_parameters_and_removes_a_bias_sts_cannot():
+    z, t, survived = biased_rounds(40_000, seed=0)
+    temps, weights, offsets = fit_sts_offset(z, t, survived)
+    # Positions 1-3 within 0.2 of every parameter (1 / T for the temperature),
+    # position 4 (fewer rounds reach it) within 0.35; seeds 0-9 stay within
+    # 0.14 and 0.17.
+    scale_error = np.abs(1 / temps - 1 / T_TRUE)
+    error = np.maximum.reduce([scale_error, np.abs(weights - W_TRUE),
+                               np.abs(offsets - B_TRUE)])  # fmt: skip
+    assert error[:3].max() < 0.2 and error[3] < 0.35, (temps, weights, offsets)
+    z2, t2, s2 = biased_rounds(40_000, seed=1)
+    extended = evaluate(z2, s2, temps, tops=t2, top_weights=weights, offsets=offsets)
+    plain = evaluate(z2, s2, fit_sts(z, survived))
+    assert max(extended.ece_after) < 0.02
+    assert plain.ece_after[0] > 0.1  # a temperature cannot absorb b_1 and w_1 t_1
+    assert extended.auc_after[0] > plain.auc_after[0] + 0.03
+    assert extended.top_weights == weights.tolist()
+
+
+def test_offset_fit_reads_only_rounds_that_reached_each_position():
+    """Position k is fitted on rounds whose prefix 1..k-1 was accepted: what
+    happens after a rejection cannot move it, and an unreached position
+    keeps the identity."""
+    z, t, survived = biased_rounds(5_000, seed=2)
+    fitted = fit_sts_offset(z, t, survived)
+    z_b, t_b = z.copy(), t.copy()
+    after_rejection = ~prefix_labels(survived)[:, 0]
+    z_b[after_rejection, 1:] = 50.0
+    t_b[after_rejection, 1:] = -50.0
+    refitted = fit_sts_offset(z_b, t_b, survived)
+    assert all(np.allclose(a, b) for a, b in zip(fitted, refitted, strict=True))
+    valid = np.ones_like(survived)
+    valid[:, 3] = False
+    temps, weights, offsets = fit_sts_offset(z, t, survived, valid=valid)
+    assert (temps[3], weights[3], offsets[3]) == (1.0, 0.0, 0.0)
+
+
+def test_a_plain_sts_file_still_calibrates_as_sts(tmp_path):
+    """A calibration written before offsets and top weights existed loads
+    and gives plain STS survival; an extended one needs the top log-probs."""
+    z, survived = synthetic_rounds(2_000, T_TRUE, seed=5)
+    data = json.loads(json.dumps(calibrate(z, survived).__dict__))
+    for key in ("top_weights", "offsets"):
+        del data[key]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    old = CalibrationResult.load(path)
+    assert np.allclose(old.survival(z[0]), apply_sts(z[0], old.temperatures)[1])
+    extended = CalibrationResult(**{**data, "top_weights": [1.0] * 4,
+                                    "offsets": [0.5] * 4})  # fmt: skip
+    tops = np.full(4, -0.5)
+    expected = np.cumprod(sigmoid(z[0] / np.array(old.temperatures) + 1.0 * tops + 0.5))
+    assert np.allclose(extended.survival(z[0], tops), expected)
+    with pytest.raises(ValueError, match="top log-probabilities"):
+        extended.survival(z[0])
 
 
 def test_result_save_load_roundtrip(tmp_path):

@@ -258,6 +258,31 @@ def test_fast_greedy_drafts_equal_full_row_argmax(head, reduced):
         assert mx.array_equal(no_confidence.tokens, proposal.tokens)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+@pytest.mark.parametrize("reduced", [False, True], ids=["full-vocab", "reduced"])
+@pytest.mark.parametrize("head", ["vanilla", "rnn", None])
+def test_top_logprob_is_the_largest_log_probability_of_each_draft_row(
+    head, reduced, temperature
+):
+    """The calibration's second input: max log-softmax of the rows the drafts
+    were drawn from, greedy or sampled, whatever the temperature."""
+    if reduced:
+        drafter = reduced_drafter(head, 0)
+    else:
+        drafter = random_drafter(head or "vanilla", rank=8 if head else 0, seed=0)
+    anchor = mx.array([3, 11])
+    block = mx.stack([drafter.block_tokens(anchor[i : i + 1])[0] for i in range(2)])
+    hidden = drafter(block, 0, None, drafter.make_cache())
+    params = SamplingParams(temperature=temperature)
+    key = None if params.greedy else mx.random.key(0)
+    proposal = drafter.propose(hidden, anchor, 5, params, key)
+    rows = np.array(proposal.logits, dtype=np.float64)
+    top = -np.log(np.exp(rows - rows.max(-1, keepdims=True)).sum(-1))
+    assert proposal.top_logprob.shape == (2, 5)
+    assert np.allclose(np.array(proposal.top_logprob), top, atol=1e-5)
+    assert np.all(np.array(proposal.top_logprob) <= 0.0)
+
+
 @pytest.mark.parametrize("reduced", [False, True], ids=["full-vocab", "reduced"])
 @pytest.mark.parametrize("head", ["vanilla", "gated", "rnn"])
 def test_compiled_and_plain_greedy_chains_give_identical_drafts(head, reduced):

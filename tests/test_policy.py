@@ -14,6 +14,7 @@ from test_sampling import (
     exact_joint,
     sample_first_three,
 )
+from test_schedint import fitted
 
 from mlx_dspark import stream_generate
 from mlx_dspark.adaptive import AdaptivePolicy
@@ -134,7 +135,7 @@ def test_costs_come_from_the_profile_until_measured():
 
 
 def test_calibration_cuts_inside_a_drafted_block():
-    policy = AdaptivePolicy(temperatures=[1.0] * 4)
+    policy = AdaptivePolicy(calibration=fitted(temperatures=[1.0] * 4))
     play(policy, 10, lambda n: n, cap=4)
     confident = Proposal(mx.zeros((1, 4), mx.int32), None, mx.array([[9.0] * 4]))
     doubtful = Proposal(
@@ -143,6 +144,27 @@ def test_calibration_cuts_inside_a_drafted_block():
     assert policy.draft_length(confident, 4) == 4
     assert policy.draft_length(doubtful, 4) == 1
     assert AdaptivePolicy().draft_length(doubtful, 4) == 4  # no calibration
+
+
+def test_the_drafts_top_probability_cuts_where_the_calibration_weighs_it():
+    """With a weight on the drafts' top log-probability, the same confidence
+    logits give a shorter block where a draft's distribution is flat."""
+    calibration = fitted(
+        temperatures=[1.0] * 4, top_weights=[2.0] * 4, offsets=[0.0] * 4
+    )
+    policy = AdaptivePolicy(calibration=calibration)
+    play(policy, 10, lambda n: n, cap=4)
+
+    def proposal(tops: list[float]) -> Proposal:
+        return Proposal(mx.zeros((1, 4), mx.int32), None, mx.array([[4.0] * 4]),
+                        top_logprob=mx.array([tops]))  # fmt: skip
+
+    assert policy.draft_length(proposal([0.0] * 4), 4) == 4
+    assert policy.draft_length(proposal([0.0, -5.0, 0.0, 0.0]), 4) == 1
+    with pytest.raises(ValueError, match="top log-probabilities"):
+        policy.draft_length(
+            Proposal(mx.zeros((1, 4), mx.int32), None, mx.array([[4.0] * 4])), 4
+        )
 
 
 def test_scheduler_corrects_an_overconfident_calibration():

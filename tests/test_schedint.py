@@ -23,6 +23,8 @@ from mlx_dspark.calibrate import (
     find_calibration,
     fit_records,
 )
+from mlx_dspark.calibration import CalibrationResult
+from mlx_dspark.drafter import Proposal
 from mlx_dspark.loading import load, load_drafter
 from mlx_dspark.loop import ThresholdPolicy, speculative_generate_step
 from mlx_dspark.memory import MemoryGuard, PressureLevel
@@ -37,6 +39,12 @@ from mlx_dspark.telemetry import render_prometheus
 
 PROMPTS = [[1, 2, 3], [20, 4, 11, 9], [13, 5, 5, 21, 2, 17]]
 NO_WARMUP = SchedulerSettings(warmup_steps=0, n_draft_min=0)
+
+
+def fitted(**parameters) -> CalibrationResult:
+    """A calibration with these parameters and no measurements."""
+    return CalibrationResult(ece_before=[], ece_after=[], auc_before=[],
+                             auc_after=[], n_rounds=0, **parameters)  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
@@ -87,8 +95,8 @@ def test_greedy_identical_with_scheduler(pair_factory):
     for prompt in PROMPTS:
         expected = target_greedy(model, prompt, 48)
         for curve in curves:
-            for temps in (None, [3.0] * 8):
-                policy = SchedulerPolicy(temps, curve=curve, settings=NO_WARMUP)
+            for calibration in (None, fitted(temperatures=[3.0] * 8)):
+                policy = SchedulerPolicy(calibration, curve=curve, settings=NO_WARMUP)
                 assert run(target, drafter, prompt, policy, 48) == expected
                 lengths |= {r.admitted for r in policy.telemetry.recent}
     assert len(lengths) >= 3, lengths  # the scheduler really chose lengths
@@ -214,6 +222,59 @@ def test_sampling_exact_with_scheduler_and_peeking_scheduler_fails(pair_factory)
     n_bad = 1000
     bad = first_tokens(target, drafter, prompt, FuturePeekingScheduler, params, n_bad)
     stat_bad = chi2(bad, exact, n_bad)
+    assert stat_bad > critical, (stat_bad, critical, bad)
+
+
+class DrawnTokenScheduler(SchedulerPolicy):
+    """WRONG on purpose: reads the log-probability of the token drawn at
+    position k where the calibration expects the top of its distribution, so
+    whether draft k is verified depends on x_k itself."""
+
+    def survival(self, proposal, cap, row=0):
+        logits = proposal.logits[:, :cap].astype(mx.float32)
+        drawn = mx.take_along_axis(logits, proposal.tokens[:, :cap, None], axis=-1)
+        drawn = drawn[..., 0] - mx.logsumexp(logits, axis=-1)
+        peeking = Proposal(proposal.tokens, proposal.logits, proposal.confidence,
+                           top_logprob=drawn)  # fmt: skip
+        return super().survival(peeking, cap, row)
+
+
+def test_sampling_exact_when_the_calibration_reads_the_drafts_top_probability(
+    pair_factory,
+):
+    """A calibration that weighs the top log-probability of each draft's
+    distribution keeps sampling exact; the same weight on the drawn token's
+    own log-probability does not."""
+    *_, target_dir, drafter_dir, _ = pair_factory(block_size=4, sharpness=0.5, seed=3)
+    model, _, drafter = load(target_dir, drafter_dir)
+    head = drafter.markov_head
+    head.markov_w2.weight = head.markov_w2.weight * 0.3
+    target = TargetAdapter(model, drafter.config.target_layer_ids)
+    params = SamplingParams(temperature=4.0, top_k=2)
+    prompt = [1, 2, 3]
+    exact = exact_joint(model, prompt, params)
+    critical = chi2_critical(len(exact) - 1)
+    calibration = fitted(temperatures=[1e3] * 4, top_weights=[60.0] * 4,
+                         offsets=[8.4] * 4)  # fmt: skip
+    curve = StepRateCurve.linear(1.0, 0.3)
+    made = []
+
+    def real():
+        made.append(SchedulerPolicy(calibration, curve=curve, settings=NO_WARMUP))
+        return made[-1]
+
+    def wrong():
+        return DrawnTokenScheduler(calibration, curve=curve, settings=NO_WARMUP)
+
+    n = 2000
+    counts = first_tokens(target, drafter, prompt, real, params, n)
+    stat = chi2(counts, exact, n)
+    assert stat < critical, (stat, critical, counts)
+    admitted = {r.admitted for p in made for r in p.telemetry.recent}
+    assert len(admitted) >= 3, admitted  # the top log-probabilities decided
+
+    bad = first_tokens(target, drafter, prompt, wrong, params, n)
+    stat_bad = chi2(bad, exact, n)
     assert stat_bad > critical, (stat_bad, critical, bad)
 
 
@@ -402,7 +463,7 @@ def test_calibrate_cli_end_to_end(pair_factory, tmp_path, capsys):
     # No DSpark argument: the adaptive policy, on running estimates alone.
     resolved = resolve(model, drafter)
     assert resolved.mode == "adaptive" and resolved.note is None
-    assert resolved.policy.temperatures is None and resolved.policy.profile is None
+    assert resolved.policy.calibration is None and resolved.policy.profile is None
     assert resolve(model, drafter, confidence_threshold=0.5).mode == "threshold"
     assert resolve(model, drafter, num_draft=4).mode == "off"
 
@@ -431,10 +492,11 @@ def test_calibrate_cli_end_to_end(pair_factory, tmp_path, capsys):
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "ECE raw" in proc.stdout and "AUC STS" in proc.stdout
+    assert "ECE raw" in proc.stdout and "AUC cal" in proc.stdout
     written = drafter_dir / CALIBRATION_FILE
     data = json.loads(written.read_text())
     assert len(data["temperatures"]) == 8
+    assert len(data["top_weights"]) == len(data["offsets"]) == 8
     has_plot = importlib.util.find_spec("matplotlib") is not None
     assert (written.with_suffix(".png")).exists() == has_plot
 
@@ -444,11 +506,11 @@ def test_calibrate_cli_end_to_end(pair_factory, tmp_path, capsys):
     # The default uses the calibration, and the cached profile once there is one.
     resolved = resolve(model, drafter)
     assert resolved.mode == "adaptive" and resolved.policy.profile is None
-    assert resolved.policy.temperatures == data["temperatures"]
+    assert resolved.policy.calibration.temperatures == data["temperatures"]
     get_profile(model, drafter, contexts=(16,), repeats=1)
     resolved = resolve(model, drafter)
     assert resolved.mode == "adaptive" and resolved.policy.profile is not None
-    assert resolved.policy.temperatures == data["temperatures"]
+    assert resolved.policy.calibration.temperatures == data["temperatures"]
     resolved = resolve(model, drafter, scheduler="auto")
     assert resolved.mode == "auto" and resolved.note is None
 

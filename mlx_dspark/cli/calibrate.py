@@ -1,4 +1,4 @@
-"""``mlx_dspark calibrate``: fit a drafter's confidence head (STS) for a pair.
+"""``mlx_dspark calibrate``: calibrate a drafter's confidence head for a pair.
 
 The work is in :mod:`mlx_dspark.calibrate`; this module parses the flags and
 renders the result and the progress.
@@ -25,13 +25,17 @@ def render_result(result: CalibrationResult, console: Console) -> None:
     def fmt(value: float) -> str:
         return "-" if value is None or not math.isfinite(value) else f"{value:.3f}"
 
-    table = Table(title=f"STS calibration ({result.n_rounds} held-out rounds)")
-    for name in ("pos", "T", "ECE raw", "ECE STS", "AUC raw", "AUC STS"):
+    extended = bool(result.top_weights)
+    kind = "STS + offset + top log-prob" if extended else "STS"
+    table = Table(title=f"{kind} calibration ({result.n_rounds} held-out rounds)")
+    columns = ["pos", "T", *(["w top", "offset"] if extended else [])]
+    for name in (*columns, "ECE raw", "ECE cal", "AUC raw", "AUC cal"):
         table.add_column(name, justify="right")
     for k, temp in enumerate(result.temperatures):
+        extra = [result.top_weights[k], result.offsets[k]] if extended else []
         table.add_row(
             str(k + 1),
-            fmt(temp),
+            *map(fmt, [temp, *extra]),
             fmt(result.ece_before[k]),
             fmt(result.ece_after[k]),
             fmt(result.auc_before[k]),
@@ -67,7 +71,7 @@ def calibrate(
         True, "--plot/--no-plot", help="Write a reliability diagram PNG.", metavar=""
     ),
 ) -> None:
-    """Fit the confidence head's STS temperatures for a target/drafter pair."""
+    """Calibrate a pair's confidence head (STS, offset, top log-probability)."""
     if rounds < 1:
         raise DSparkError(f"--rounds must be at least 1, got {rounds}.")
     if max_tokens < 2:

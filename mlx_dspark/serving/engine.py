@@ -396,7 +396,7 @@ class BatchEngine:
         self.cost = StepCost(self.config.prior)
         self.gate = DraftGate() if self.config.adaptive else None
         self.policy = SchedulerPolicy(
-            None if found is None else list(found[0].temperatures),
+            None if found is None else found[0],
             telemetry_for(found),
             curve=self.cost.curve(),
             settings=settings,
@@ -773,11 +773,12 @@ class BatchEngine:
             )
             for i, j in enumerate(greedy):
                 c = caps[rows[j]]
-                confidence = chains.confidence
+                confidence, top = chains.confidence, chains.top_logprob
                 proposals[rows[j]] = Proposal(
                     chains.tokens[i : i + 1, :c],
                     chains.logits[i : i + 1, :c],
                     None if confidence is None else confidence[i : i + 1, :c],
+                    top_logprob=None if top is None else top[i : i + 1, :c],
                 )
         for j, r in enumerate(rows):
             params = slots[r].request.params
