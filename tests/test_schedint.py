@@ -184,6 +184,19 @@ def first_tokens(target, drafter, prompt, make_policy, params, seeds, depth=3):
     return counts
 
 
+def random_drafts(model, drafter):
+    """Soften the sequential head so that, at a high temperature, drafts are
+    random; returns the target adapter, the sampling parameters, the prompt,
+    the exact joint of the first tokens and the chi-square critical value."""
+    head = drafter.markov_head
+    head.markov_w2.weight = head.markov_w2.weight * 0.3
+    target = TargetAdapter(model, drafter.config.target_layer_ids)
+    params = SamplingParams(temperature=4.0, top_k=2)
+    prompt = [1, 2, 3]
+    exact = exact_joint(model, prompt, params)
+    return target, params, prompt, exact, chi2_critical(len(exact) - 1)
+
+
 def test_sampling_exact_with_scheduler_and_peeking_scheduler_fails(pair_factory):
     *_, target_dir, drafter_dir, spec = pair_factory(
         block_size=4, sharpness=0.5, seed=3
@@ -196,14 +209,7 @@ def test_sampling_exact_with_scheduler_and_peeking_scheduler_fails(pair_factory)
     weight[0, d:] = np.where(np.arange(spec.code_dims) % 2 == 0, 4.0, -4.0)
     drafter.confidence_head.proj.weight = mx.array(weight)
     drafter.confidence_head.proj.bias = mx.zeros((1,))
-    # A softer sequential head and a high temperature make drafts random.
-    head = drafter.markov_head
-    head.markov_w2.weight = head.markov_w2.weight * 0.3
-    target = TargetAdapter(model, drafter.config.target_layer_ids)
-    params = SamplingParams(temperature=4.0, top_k=2)
-    prompt = [1, 2, 3]
-    exact = exact_joint(model, prompt, params)
-    critical = chi2_critical(len(exact) - 1)
+    target, params, prompt, exact, critical = random_drafts(model, drafter)
 
     curve = StepRateCurve.linear(1.0, 0.3)
     made = []
@@ -247,13 +253,7 @@ def test_sampling_exact_when_the_calibration_reads_the_drafts_top_probability(
     own log-probability does not."""
     *_, target_dir, drafter_dir, _ = pair_factory(block_size=4, sharpness=0.5, seed=3)
     model, _, drafter = load(target_dir, drafter_dir)
-    head = drafter.markov_head
-    head.markov_w2.weight = head.markov_w2.weight * 0.3
-    target = TargetAdapter(model, drafter.config.target_layer_ids)
-    params = SamplingParams(temperature=4.0, top_k=2)
-    prompt = [1, 2, 3]
-    exact = exact_joint(model, prompt, params)
-    critical = chi2_critical(len(exact) - 1)
+    target, params, prompt, exact, critical = random_drafts(model, drafter)
     calibration = fitted(temperatures=[1e3] * 4, top_weights=[60.0] * 4,
                          offsets=[8.4] * 4)  # fmt: skip
     curve = StepRateCurve.linear(1.0, 0.3)
