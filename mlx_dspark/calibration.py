@@ -385,10 +385,8 @@ class CalibrationResult:
         temps = known(self.temperatures, 1.0)
         temps = np.where(temps > 0, temps, 1.0)
         weights = known(self.top_weights, 0.0)
-        if tops is None and weights.any():
-            raise ValueError("this calibration reads the drafts' top log-probabilities")
-        top = np.zeros(z.size) if tops is None else np.asarray(tops).ravel()
-        return apply_sts(z, temps, known(self.offsets, 0.0), top, weights)[1]
+        weights = weights if weights.any() else None
+        return apply_sts(z, temps, known(self.offsets, 0.0), tops, weights)[1]
 
     def acceptance(self) -> list[float]:
         """Conditional acceptance per position measured in the calibration

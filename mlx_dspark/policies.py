@@ -38,19 +38,6 @@ if TYPE_CHECKING:
     from .adaptive import AdaptivePolicy
 
 
-def calibrated_survival(
-    raw_confidence: np.ndarray,
-    calibration: CalibrationResult | None = None,
-    tops: np.ndarray | None = None,
-) -> np.ndarray:
-    """Prefix survival a_1..a_K from raw confidence logits (and the drafts'
-    top log-probabilities); uncalibrated (T = 1) without a calibration."""
-    if calibration is not None:
-        return calibration.survival(raw_confidence, tops)
-    z = np.asarray(raw_confidence, dtype=np.float64).ravel()
-    return apply_sts(z, np.ones(z.size))[1]
-
-
 def _raw_confidence(proposal: Proposal, cap: int, row: int = 0) -> np.ndarray | None:
     if proposal.confidence is None or cap <= 0:
         return None
@@ -70,14 +57,15 @@ def proposal_survival(
     row: int = 0,
 ) -> np.ndarray | None:
     """Calibrated prefix survival of a proposal's first ``cap`` drafts (None
-    without confidences). The top log-probabilities are evaluated only for a
-    calibration that weighs them."""
+    without confidences; uncalibrated, T = 1, without a calibration). The top
+    log-probabilities are evaluated only for a calibration that weighs them."""
     z = _raw_confidence(proposal, cap, row)
     if z is None:
         return None
-    weighs_tops = calibration is not None and any(calibration.top_weights)
-    tops = _top_logprobs(proposal, cap, row) if weighs_tops else None
-    return calibrated_survival(z, calibration, tops)
+    if calibration is None:
+        return apply_sts(z, np.ones(z.size))[1]
+    tops = _top_logprobs(proposal, cap, row) if any(calibration.top_weights) else None
+    return calibration.survival(z, tops)
 
 
 def guarded_cap(guard: MemoryGuard | None, telemetry: Telemetry, cap: int) -> int:
