@@ -6,8 +6,9 @@ Held-out sets: chat-like questions (chat template), CPython standard-library
 modules excluded from training (``crc32(relative path) % 10 == 0``: code
 continuation) and docstrings of those modules (prose continuation). Reports
 the mean accepted length (tokens per round, accepted drafts + 1) at T=0 and
-T=1 with 7 drafts per round, and tok/s of the pair vs the target alone
-(mlx-lm) at T=0, interleaved prompt by prompt in the same process.
+T=1 with 7 drafts per round, and per set the greedy tok/s of the pair with no
+DSpark arguments (the default policy) vs the target alone (mlx-lm),
+interleaved prompt by prompt in the same process.
 """
 
 from __future__ import annotations
@@ -86,10 +87,16 @@ def main() -> None:
         "--draft-model", default=None, help="another drafter for SmolLM2 (ablations)"
     )
     parser.add_argument(
+        "--acceptance",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="mean accepted length with 7 drafts a round, T=0 and T=1",
+    )
+    parser.add_argument(
         "--speed",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="also time the pair against SmolLM2 alone",
+        help="time the pair with no DSpark arguments against SmolLM2 alone",
     )
     args = parser.parse_args()
     model, tokenizer, drafter = mlx_dspark.load()
@@ -97,62 +104,75 @@ def main() -> None:
         drafter = mlx_dspark.load_drafter(args.draft_model, model)
     sets = held_out_sets(tokenizer, args.prompts, args.prefix_tokens)
     print(f"prompts: {', '.join(f'{k} {len(v)}' for k, v in sets.items())}")
-    # warm up both paths
-    list(
-        stream_generate(
-            model, tokenizer, drafter, sets["chat"][0], max_tokens=8, scheduler="off"
-        )
-    )
+    # warm up both paths (the default policy measures this machine once)
+    list(stream_generate(model, tokenizer, drafter, sets["chat"][0], max_tokens=8))
     list(mlx_lm_stream_generate(model, tokenizer, sets["chat"][0], max_tokens=8))
-    base_tokens = base_time = pair_tokens = pair_time = 0.0
-    for temp in (0.0, 1.0):
-        for name, prompts in sets.items():
-            accepted, rounds = [], 0
-            for i, prompt in enumerate(prompts):
-                tic = time.perf_counter()
-                responses = list(
-                    stream_generate(
-                        model,
-                        tokenizer,
-                        drafter,
-                        prompt,
-                        max_tokens=args.max_tokens,
-                        temperature=temp,
-                        seed=i,
-                        num_draft=7,
-                        scheduler="off",
-                    )
+    if args.acceptance:
+        for temp in (0.0, 1.0):
+            for name, prompts in sets.items():
+                accepted = acceptance(model, tokenizer, drafter, prompts, temp, args)
+                print(
+                    f"T={temp:g} {name:5s}: mean accepted length "
+                    f"{np.mean(accepted) + 1:.2f} ({len(accepted)} rounds)"
                 )
-                elapsed = time.perf_counter() - tic
-                stats = responses[-1].stats
-                accepted += [r.accepted for r in stats.rounds]
-                rounds += len(stats.rounds)
-                if temp == 0.0 and args.speed:
-                    pair_tokens += len(responses)
-                    pair_time += elapsed
-                    tic = time.perf_counter()
-                    base = list(
-                        mlx_lm_stream_generate(
-                            model,
-                            tokenizer,
-                            prompt,
-                            max_tokens=args.max_tokens,
-                            sampler=make_sampler(0.0),
-                        )
-                    )
-                    base_time += time.perf_counter() - tic
-                    base_tokens += len(base)
+    if args.speed:
+        for name, prompts in sets.items():
+            pair, alone = speed(model, tokenizer, drafter, prompts, args.max_tokens)
             print(
-                f"T={temp:g} {name:5s}: mean accepted length "
-                f"{np.mean(accepted) + 1:.2f} ({rounds} rounds)"
+                f"T=0 {name:5s}: tok/s (incl. prefill) SmolLM2 alone {alone:.1f}, "
+                f"pair with no flags {pair:.1f}, ratio {pair / alone:.2f}"
             )
-    if not args.speed:
-        return
-    pair_tps, base_tps = pair_tokens / pair_time, base_tokens / base_time
-    print(
-        f"T=0 tok/s (incl. prefill): pair {pair_tps:.1f}, SmolLM2 alone "
-        f"{base_tps:.1f}, ratio {pair_tps / base_tps:.2f}"
-    )
+
+
+def acceptance(model, tokenizer, drafter, prompts, temp, args) -> list[int]:
+    """Accepted drafts of every round, 7 drafts a round."""
+    accepted = []
+    for i, prompt in enumerate(prompts):
+        responses = list(
+            stream_generate(
+                model,
+                tokenizer,
+                drafter,
+                prompt,
+                max_tokens=args.max_tokens,
+                temperature=temp,
+                seed=i,
+                num_draft=7,
+                scheduler="off",
+            )
+        )
+        accepted += [r.accepted for r in responses[-1].stats.rounds]
+    return accepted
+
+
+def speed(model, tokenizer, drafter, prompts, max_tokens) -> tuple[float, float]:
+    """Greedy tok/s of the pair with no DSpark arguments and of mlx-lm alone,
+    prompt by prompt, interleaved."""
+    pair_tokens = pair_time = base_tokens = base_time = 0.0
+    for prompt in prompts:
+        tic = time.perf_counter()
+        pair_tokens += len(
+            list(
+                stream_generate(
+                    model, tokenizer, drafter, prompt, max_tokens=max_tokens
+                )
+            )
+        )
+        pair_time += time.perf_counter() - tic
+        tic = time.perf_counter()
+        base_tokens += len(
+            list(
+                mlx_lm_stream_generate(
+                    model,
+                    tokenizer,
+                    prompt,
+                    max_tokens=max_tokens,
+                    sampler=make_sampler(0.0),
+                )
+            )
+        )
+        base_time += time.perf_counter() - tic
+    return pair_tokens / pair_time, base_tokens / base_time
 
 
 if __name__ == "__main__":

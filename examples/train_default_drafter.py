@@ -200,6 +200,11 @@ VALIDATION_CODE_CHARS, VALIDATION_DOC_CHARS = 40_000, 20_000
 # is mostly sampling noise: on 408 held-out rounds a perfectly calibrated head
 # would show a position-1 ECE of about 0.06, on 1,440 about 0.03.
 CALIBRATE_FLAGS = ["--rounds", "4320", "--max-tokens", "128"]
+# The logit bias on tokens copied from the context (``mlx_dspark.lookup``),
+# written into the last stage's config before it is calibrated: the best of
+# ``examples/tune_copy_bias.py`` on the validation answers and the last T=0
+# shard (0 is DeepSpec's drafting).
+CONTEXT_COPY_BIAS = 20.0
 # Calibration prompts, none of them from the training templates (checked with
 # ``drafter_prompts.near_duplicates`` against the committed prompt list).
 CALIBRATION_PROMPTS = (
@@ -674,6 +679,18 @@ def stage_text(work: Path, seed: int, stage: int) -> list[Path]:
     return paths
 
 
+def set_context_copy_bias(drafter: Path, bias: float) -> None:
+    """Write ``context_copy_bias`` into the drafter's config; a calibration
+    measured with another bias is removed, to be measured again."""
+    path = drafter / "config.json"
+    config = json.loads(path.read_text())
+    if config.get("context_copy_bias", 0.0) == bias:
+        return
+    config["context_copy_bias"] = bias
+    write_text_atomic(path, json.dumps(config, indent=2))
+    (drafter / "dspark_calibration.json").unlink(missing_ok=True)
+
+
 def validation_files(target: Path, work: Path) -> list[Path]:
     """``chat/`` (the target's T=0 answers to VALIDATION_CHAT), ``code.txt`` and
     ``docstrings.txt`` (held-out modules the evaluation never reads)."""
@@ -831,6 +848,7 @@ def main() -> None:
         flags = [*LATER_STAGE_FLAGS, "--steps", str(stage.steps), "--lr", str(stage.lr)]
         flags += ["--init-from", str(previous), *validation, *store]
         train(target, data, drafter, flags, env)
+    set_context_copy_bias(drafter, CONTEXT_COPY_BIAS)
     if not (drafter / "dspark_calibration.json").exists():
         run(
             [sys.executable, "-m", "mlx_dspark.calibrate", "--model", str(target), "--draft-model",

@@ -77,10 +77,13 @@ class RecordingPolicy:
             return
         n = round_stats.drafted
         z = np.array(proposal.confidence[0, :n].astype(mx.float32))
-        top = proposal.top_logprob
+        top, copied = proposal.top_logprob, proposal.copied
         top = None if top is None else np.array(top[0, :n])
+        copied = None if copied is None else np.array(copied[0, :n])
         self.records.append(
-            CalibrationRecord(z, round_stats.verified, round_stats.accepted, top)
+            CalibrationRecord(
+                z, round_stats.verified, round_stats.accepted, top, copied
+            )
         )
 
 
@@ -203,9 +206,11 @@ def fit_records(
     before/after on the rounds of the other third, prompts the fit never saw;
     on all rounds when there are fewer than 40 or fewer than 3 prompts. With
     the drafts' top log-probabilities recorded the fit is STS with an offset
-    and a weight on them (:func:`fit_sts_offset`), else plain STS."""
+    and a weight on them (:func:`fit_sts_offset`), and on the copy flags of a
+    drafter that copies from the context; else plain STS."""
     logits, survived, valid = records_to_arrays(records, n_positions)
     tops = records_top_logprobs(records, n_positions)
+    copied = records_top_logprobs(records, n_positions, "copied")
     held = np.array([g % 3 == 2 for g in groups])
     if len(records) < 40 or len(set(groups)) < 3:
         held[:] = False
@@ -214,8 +219,12 @@ def fit_records(
     if tops is None:
         temps = fit_sts(logits[fit], survived[fit], valid=valid[fit])
         return evaluate(logits[report], survived[report], temps, valid=valid[report])
-    temps, weights, offsets = fit_sts_offset(
-        logits[fit], tops[fit], survived[fit], valid=valid[fit]
+    temps, weights, offsets, copy_weights = fit_sts_offset(
+        logits[fit],
+        tops[fit],
+        survived[fit],
+        valid=valid[fit],
+        copied=None if copied is None else copied[fit],
     )
     return evaluate(
         logits[report],
@@ -225,6 +234,8 @@ def fit_records(
         tops=tops[report],
         top_weights=weights,
         offsets=offsets,
+        copied=None if copied is None else copied[report],
+        copy_weights=None if copied is None else copy_weights,
     )
 
 

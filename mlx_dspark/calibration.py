@@ -117,13 +117,15 @@ class CalibrationRecord:
 
     ``n_verified`` drafts were sent to the target, of which the first
     ``n_accepted`` were accepted (``n_accepted <= n_verified <= len(logits)``);
-    ``top_logprobs`` are the drafts' top log-probabilities, when recorded.
+    ``top_logprobs`` are the drafts' top log-probabilities and ``copied``
+    whether their rows carried a context-copy bias, when recorded.
     """
 
     logits: np.ndarray
     n_verified: int
     n_accepted: int
     top_logprobs: np.ndarray | None = None
+    copied: np.ndarray | None = None
 
 
 def records_to_arrays(
@@ -151,18 +153,21 @@ def records_to_arrays(
 
 
 def records_top_logprobs(
-    records: list[CalibrationRecord], n_positions: int | None = None
+    records: list[CalibrationRecord],
+    n_positions: int | None = None,
+    field: str = "top_logprobs",
 ) -> np.ndarray | None:
-    """The rounds' top log-probabilities as [rounds, K] (0 where none was
-    drafted), or None when a round did not record them."""
-    if not records or any(r.top_logprobs is None for r in records):
+    """The rounds' top log-probabilities (or another recorded ``field``,
+    ``copied``) as [rounds, K] (0 where none was drafted), or None when a
+    round did not record them."""
+    if not records or any(getattr(r, field) is None for r in records):
         return None
     k = n_positions or max(len(r.logits) for r in records)
-    tops = np.zeros((len(records), k))
+    values = np.zeros((len(records), k))
     for i, rec in enumerate(records):
-        t = np.asarray(rec.top_logprobs, dtype=np.float64)[:k]
-        tops[i, : t.size] = t
-    return tops
+        t = np.asarray(getattr(rec, field), dtype=np.float64)[:k]
+        values[i, : t.size] = t
+    return values
 
 
 def prefix_labels(survived: np.ndarray) -> np.ndarray:
@@ -176,12 +181,15 @@ def apply_sts(
     offsets: np.ndarray | list[float] | None = None,
     tops: np.ndarray | None = None,
     top_weights: np.ndarray | list[float] | None = None,
+    copied: np.ndarray | None = None,
+    copy_weights: np.ndarray | list[float] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Calibrated per-position confidences c_k and prefix survivals a_k.
 
     ``logits`` (and ``tops``, the drafts' top log-probabilities, needed when
-    ``top_weights`` are given) is [..., K'] with K' <= len(temperatures);
-    position k uses temperature, offset and top weight k.
+    ``top_weights`` are given, and ``copied``, 1 where a draft's row carried
+    a context-copy bias, read with ``copy_weights``) is [..., K'] with K' <=
+    len(temperatures); position k uses temperature, offset and weights k.
     """
     logits = np.asarray(logits, dtype=np.float64)
     temps = np.asarray(temperatures, dtype=np.float64)
@@ -195,6 +203,8 @@ def apply_sts(
         if tops is None:
             raise ValueError("this calibration reads the drafts' top log-probabilities")
         x = x + np.asarray(top_weights, dtype=np.float64)[:k] * np.asarray(tops)
+    if copied is not None and copy_weights is not None and len(copy_weights):
+        x = x + np.asarray(copy_weights, dtype=np.float64)[:k] * np.asarray(copied)
     c = sigmoid(x)
     return c, np.cumprod(c, axis=-1)
 
@@ -274,32 +284,41 @@ def fit_sts_offset(
     survived: np.ndarray,
     valid: np.ndarray | None = None,
     ridge: float = 1.0,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Temperatures, top-log-probability weights and offsets, one each a position.
+    copied: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Temperatures, top-log-probability weights, offsets and copy weights,
+    one each a position (the copy weights zero without ``copied``).
 
     c_k is the probability that draft k survives given that drafts 1..k-1
     did, so position k is a logistic regression of survival on (z_k, t_k)
     over the rounds whose prefix 1..k-1 was accepted and whose draft k was
     verified; the a_k = c_1 ... c_k are then calibrated when the c_k are. The
     ridge, worth about as much as one round, keeps the late positions, which
-    few rounds reach, near a constant. A position no round reached keeps
-    T = 1, w = b = 0; where the head adds nothing beyond t_k, T = 1000.
+    few rounds reach, near a constant. With ``copied`` (1 where draft k's
+    row carried a context-copy bias) the regression reads it too. A position
+    no round reached keeps T = 1 and zero weights; where the head adds nothing
+    beyond the other inputs, T = 1000.
     """
     logits = np.asarray(logits, dtype=np.float64)
-    tops = np.asarray(tops, dtype=np.float64)
+    inputs = [np.asarray(tops, dtype=np.float64)]
+    if copied is not None:
+        inputs.append(np.asarray(copied, dtype=np.float64))
     labels = prefix_labels(survived)
     valid = np.ones(logits.shape, bool) if valid is None else np.asarray(valid, bool)
     k_max = logits.shape[1]
-    temps, weights, offsets = np.ones(k_max), np.zeros(k_max), np.zeros(k_max)
+    temps, offsets = np.ones(k_max), np.zeros(k_max)
+    weights = np.zeros((2, k_max))
     reached = np.ones(logits.shape[0], dtype=bool)
     for k in range(k_max):
         m = reached & valid[:, k]
         if m.any():
-            x = np.stack([logits[m, k], tops[m, k]], axis=1)
-            scale, weights[k], offsets[k] = _logistic(x, labels[m, k], ridge)
+            x = np.stack([logits[m, k], *(v[m, k] for v in inputs)], axis=1)
+            fitted = _logistic(x, labels[m, k], ridge)
+            scale, offsets[k] = fitted[0], fitted[-1]
+            weights[: len(inputs), k] = fitted[1:-1]
             temps[k] = 1.0 / scale if scale > 1e-3 else 1e3
         reached = labels[:, k]
-    return temps, weights, offsets
+    return temps, weights[0], offsets, weights[1]
 
 
 def _clean(values: list[float]) -> list[float | None]:
@@ -314,6 +333,7 @@ _PER_POSITION = (
     "temperatures",
     "top_weights",
     "offsets",
+    "copy_weights",
     "ece_before",
     "ece_after",
     "auc_before",
@@ -326,7 +346,8 @@ class CalibrationResult:
     """Fitted calibration and before/after metrics per position.
 
     ``top_weights`` and ``offsets`` are empty in a plain STS calibration (and in
-    files written before they existed). ``reliability_before``/
+    files written before they existed); ``copy_weights`` are empty unless the
+    drafter copied from the context while it was measured. ``reliability_before``/
     ``reliability_after``: per position, per bin ``[mean prediction, mean
     outcome, count]`` of the cumulative product.
     """
@@ -343,6 +364,7 @@ class CalibrationResult:
     measured_with: str | None = None  # the drafter weights, when converted since
     top_weights: list[float] = field(default_factory=list)
     offsets: list[float] = field(default_factory=list)
+    copy_weights: list[float] = field(default_factory=list)
 
     def save(self, path: str | Path) -> None:
         data = asdict(self)
@@ -369,10 +391,16 @@ class CalibrationResult:
                 f"Calibration file {path} is not a valid calibration result."
             ) from None
 
-    def survival(self, raw: np.ndarray, tops: np.ndarray | None = None) -> np.ndarray:
+    def survival(
+        self,
+        raw: np.ndarray,
+        tops: np.ndarray | None = None,
+        copied: np.ndarray | None = None,
+    ) -> np.ndarray:
         """Prefix survival a_1..a_K of one round from its raw confidence
-        logits (and the drafts' top log-probabilities); a position past the
-        fitted ones, or with an unusable temperature, stays uncalibrated."""
+        logits (and the drafts' top log-probabilities and copy flags); a
+        position past the fitted ones, or with an unusable temperature, stays
+        uncalibrated."""
         z = np.asarray(raw, dtype=np.float64).ravel()
         k = min(z.size, len(self.temperatures))
 
@@ -386,7 +414,12 @@ class CalibrationResult:
         temps = np.where(temps > 0, temps, 1.0)
         weights = known(self.top_weights, 0.0)
         weights = weights if weights.any() else None
-        return apply_sts(z, temps, known(self.offsets, 0.0), tops, weights)[1]
+        copy_weights = known(self.copy_weights, 0.0)
+        if copied is not None:
+            copied = np.asarray(copied, dtype=np.float64).ravel()
+        return apply_sts(
+            z, temps, known(self.offsets, 0.0), tops, weights, copied, copy_weights
+        )[1]
 
     def acceptance(self) -> list[float]:
         """Conditional acceptance per position measured in the calibration
@@ -497,6 +530,8 @@ def evaluate(
     tops: np.ndarray | None = None,
     top_weights: np.ndarray | list[float] | None = None,
     offsets: np.ndarray | list[float] | None = None,
+    copied: np.ndarray | None = None,
+    copy_weights: np.ndarray | list[float] | None = None,
 ) -> CalibrationResult:
     """Metrics of a given calibration against raw scores (T = 1) on some rounds."""
     logits = np.asarray(logits, dtype=np.float64)
@@ -504,7 +539,9 @@ def evaluate(
     valid = np.ones(logits.shape, bool) if valid is None else np.asarray(valid, bool)
     temps = np.asarray(temperatures, dtype=np.float64)
     _, a_raw = apply_sts(logits, np.ones(logits.shape[1]))
-    _, a_cal = apply_sts(logits, temps, offsets, tops, top_weights)
+    _, a_cal = apply_sts(
+        logits, temps, offsets, tops, top_weights, copied, copy_weights
+    )
     ece_b, auc_b, rel_b = _metrics(a_raw, labels, valid, n_bins)
     ece_a, auc_a, rel_a = _metrics(a_cal, labels, valid, n_bins)
     return CalibrationResult(
@@ -519,4 +556,5 @@ def evaluate(
         reliability_after=rel_a,
         top_weights=[] if top_weights is None else list(map(float, top_weights)),
         offsets=[] if offsets is None else list(map(float, offsets)),
+        copy_weights=[] if copy_weights is None else list(map(float, copy_weights)),
     )

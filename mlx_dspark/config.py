@@ -50,6 +50,9 @@ class DraftConfig:
     enable_confidence_head: bool = False
     confidence_head_with_markov: bool = False
     draft_vocab_size: int | None = None
+    # mlx-dspark's own: the logit bias on tokens copied from the context
+    # (``mlx_dspark.lookup``); 0 leaves drafting as DeepSpec defines it.
+    context_copy_bias: float = 0.0
     # Gemma-4 (DeepSpec's Gemma4DSparkModel): full-attention layers with
     # global_head_dim, K = V when attention_k_eq_v, scaled embeddings and
     # soft-capped logits.
@@ -85,6 +88,11 @@ class DraftConfig:
                     f"draft_vocab_size {self.draft_vocab_size} must be between 1 "
                     f"and the vocabulary size {self.vocab_size}."
                 )
+        self.context_copy_bias = float(self.context_copy_bias)
+        if not self.context_copy_bias >= 0:
+            raise DSparkError(
+                f"context_copy_bias must be >= 0, got {self.context_copy_bias}."
+            )
         if self.block_size < 1:
             raise DSparkError(f"block_size must be at least 1, got {self.block_size}.")
 
@@ -161,6 +169,8 @@ class DraftConfig:
             if name in ("raw", "quantization"):
                 continue
             value = getattr(self, name)
+            if name == "context_copy_bias" and not value and name not in self.raw:
+                continue
             if value is not None:
                 out[name] = value
         if self.quantization is not None:

@@ -42,10 +42,12 @@ class DraftCache:
 class Proposal:
     """Draft tokens for one round with the distributions they were drawn from.
 
-    ``top_logprob[:, k]`` is the largest log-probability of the softmax of
-    ``logits[:, k]`` (before any sampling temperature): a property of draft
-    ``k``'s distribution, not of the token drawn from it, so a scheduler may
-    read it before deciding to verify draft ``k``.
+    ``top_logprob[:, k]`` is the drafter's own log-probability (before any
+    copy bias and sampling temperature) of the most likely token of
+    ``logits[:, k]``: without context copying, the largest log-probability of
+    that row. ``copied[:, k]`` says whether row ``k`` carried the copy bias.
+    Both describe draft ``k``'s distribution, not the token drawn from it, so
+    a scheduler may read them before deciding to verify draft ``k``.
     """
 
     tokens: mx.array
@@ -53,6 +55,7 @@ class Proposal:
     confidence: mx.array | None = None
     extra: dict = field(default_factory=dict)
     top_logprob: mx.array | None = None
+    copied: mx.array | None = None
 
 
 def top_logprob(logits: mx.array) -> mx.array:
@@ -444,6 +447,7 @@ class DSparkDrafter(nn.Module):
         key: mx.array | None,
         *,
         confidence: bool = True,
+        copy: mx.array | None = None,
     ) -> Proposal:
         """Sample ``n`` drafts left to right through the sequential head.
 
@@ -454,59 +458,129 @@ class DSparkDrafter(nn.Module):
         their full-vocabulary logits are left unevaluated until a consumer
         reads them. ``confidence=False`` skips the confidence head and the
         top log-probabilities the calibration reads beside it.
+
+        ``copy`` ``[B, >= n]`` holds target ids copied from the context
+        (:func:`~mlx_dspark.lookup.continuation`, -1 for none): draft ``k``'s
+        row adds ``config.context_copy_bias`` to ``copy[:, k]`` while drafts
+        ``1 .. k-1`` equal ``copy[:, :k-1]``.
         """
         hidden = hidden[:, :n]
         base = self.logits(hidden)
         keys = [None] * n if key is None else list(mx.random.split(key, n))
-        if self.markov_head is None:
+        if copy is not None and self.config.context_copy_bias:
+            copy = copy[:, :n].astype(mx.int32)
+        else:
+            copy = None
+        if self.markov_head is None and copy is None:
             rows = base
-            corrected = self.to_target(base)
             if params.greedy:
                 tokens = self.draft_ids_to_target(base)
             else:
                 tokens = mx.stack(
-                    [sample(corrected[:, k], params, keys[k]) for k in range(n)],
+                    [
+                        sample(self.to_target(base[:, k]), params, keys[k])
+                        for k in range(n)
+                    ],
                     axis=1,
                 )
         elif params.greedy:
-            chain = self._compiled_chain or self.greedy_chain
-            tokens, rows = chain(base, hidden, anchor)
-            corrected = self.to_target(rows)
+            if copy is None:
+                chain = self._compiled_chain or self.greedy_chain
+                tokens, rows = chain(base, hidden, anchor)
+            else:
+                tokens, rows = self.greedy_chain(base, hidden, anchor, copy)
         else:
-            head = self.markov_head
-            state = head.initial_state(anchor.shape)
-            prev, tokens, rows = anchor, [], []
+            state = self._head_state(anchor)
+            prev, following, tokens, rows = anchor, None, [], []
             for k in range(n):
-                state, bias = head.step(state, prev, hidden[:, k])
-                row = self.to_target(base[:, k] + bias.astype(base.dtype))
-                prev = sample(row, params, keys[k])
+                state, row, following = self._draft_row(
+                    base, hidden, k, state, prev, copy, following
+                )
+                prev = sample(self.to_target(row), params, keys[k])
                 tokens.append(prev)
                 rows.append(row)
             tokens, rows = mx.stack(tokens, axis=1), mx.stack(rows, axis=1)
-            corrected = rows
+        corrected = self.to_target(rows)
         if not confidence:
             return Proposal(tokens, corrected)
-        return Proposal(
+        proposal = Proposal(
             tokens,
             corrected,
             self.chain_confidence(hidden, anchor, tokens),
             top_logprob=top_logprob(rows),
         )
+        if copy is not None:
+            hits = self._copy_hits(tokens, copy)
+            own = rows - hits.astype(rows.dtype) * self.config.context_copy_bias
+            top = mx.argmax(rows, axis=-1, keepdims=True)
+            own_top = mx.take_along_axis(own, top, axis=-1).squeeze(-1)
+            proposal.top_logprob = (own_top - mx.logsumexp(own, axis=-1)).astype(
+                mx.float32
+            )
+            proposal.copied = hits.any(axis=-1)
+        return proposal
+
+    def _head_state(self, anchor: mx.array) -> mx.array | None:
+        head = self.markov_head
+        return None if head is None else head.initial_state(anchor.shape)
+
+    def _draft_row(
+        self,
+        base: mx.array,
+        hidden: mx.array,
+        k: int,
+        state: mx.array | None,
+        prev: mx.array,
+        copy: mx.array | None,
+        following: mx.array | None,
+    ) -> tuple[mx.array | None, mx.array, mx.array | None]:
+        """Draft ``k``'s draft-vocabulary row after ``prev``: the backbone's
+        logits, the sequential head's bias and the copy bias. ``following``
+        marks the requests whose drafts so far equal the copied tokens."""
+        row = base[:, k]
+        if self.markov_head is not None:
+            state, bias = self.markov_head.step(state, prev, hidden[:, k])
+            row = row + bias.astype(row.dtype)
+        if copy is not None:
+            following = (
+                copy[:, 0] >= 0 if k == 0 else following & (prev == copy[:, k - 1])
+            )
+            hit = following[:, None] & (self._draft_ids() == copy[:, k : k + 1])
+            row = row + hit.astype(row.dtype) * self.config.context_copy_bias
+        return state, row, following
+
+    def _draft_ids(self) -> mx.array:
+        """The target id of every row of the drafter's output vocabulary."""
+        if self.config.reduced_vocab:
+            return self.draft_to_target
+        return mx.arange(self.config.output_vocab_size, dtype=mx.int32)
+
+    def _copy_hits(self, tokens: mx.array, copy: mx.array) -> mx.array:
+        """``[B, n, V]``: where each draft row carried the copy bias, from the
+        drafts and the copied tokens (the rule of :meth:`_draft_row`)."""
+        agree = tokens[:, :-1] == copy[:, :-1]
+        following = mx.concatenate([copy[:, :1] >= 0, agree], axis=1)
+        following = mx.cumprod(following.astype(mx.int32), axis=1) > 0
+        return following[..., None] & (self._draft_ids() == copy[..., None])
 
     def greedy_chain(
-        self, base: mx.array, hidden: mx.array, anchor: mx.array
+        self,
+        base: mx.array,
+        hidden: mx.array,
+        anchor: mx.array,
+        copy: mx.array | None = None,
     ) -> tuple[mx.array, mx.array]:
         """Greedy drafts through the sequential head: ``(tokens, corrected rows)``.
 
         ``base`` holds the backbone's draft-vocabulary logits ``[B, n, V]``; the
         corrected rows stay in the draft vocabulary.
         """
-        head = self.markov_head
-        state = head.initial_state(anchor.shape)
-        prev, tokens, rows = anchor, [], []
+        state = self._head_state(anchor)
+        prev, following, tokens, rows = anchor, None, [], []
         for k in range(base.shape[1]):
-            state, bias = head.step(state, prev, hidden[:, k])
-            row = base[:, k] + bias.astype(base.dtype)
+            state, row, following = self._draft_row(
+                base, hidden, k, state, prev, copy, following
+            )
             prev = self.draft_ids_to_target(row)
             tokens.append(prev)
             rows.append(row)

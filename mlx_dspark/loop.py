@@ -21,6 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from .drafter import DraftCache, DSparkDrafter, Proposal
+from .lookup import continuation
 from .modes import ChainMode, RoundMode
 from .sampling import SamplingParams, log_probs, sample
 from .scheduler import threshold_cut
@@ -196,6 +197,8 @@ def speculative_generate_step(
     observe = getattr(policy, "observe", None)
     no_proposal = Proposal(mx.zeros((1, 0), mx.int32), mx.zeros((1, 0, 1)))
     unseen = [context]  # target features the drafter has not ingested yet
+    copying = drafter.config.context_copy_bias > 0
+    history = [*prompt.tolist(), anchor] if copying else []
     ahead = None  # a plain step already launched for the coming round
 
     def split(key: mx.array) -> tuple[mx.array, mx.array | None]:
@@ -229,6 +232,8 @@ def speculative_generate_step(
                 ahead = plain_step(target, cache, token, params, step_key)
                 mx.async_eval([a for a in ahead if a is not None])
             anchor = token.item()
+            if copying:
+                history.append(anchor)
             unseen.append(features)
             now = time.perf_counter()
             stats.rounds.append(RoundStats(0, 0, 0, 0.0, now - tic, now - ended))
@@ -243,7 +248,10 @@ def speculative_generate_step(
         hidden = drafter(
             drafter.block_tokens(anchor_array), start, context, draft_cache
         )
-        proposal = mode.propose(drafter, hidden, anchor_array, cap, params, round_key)
+        copy = mx.array(continuation(history, cap))[None] if copying else None
+        proposal = mode.propose(
+            drafter, hidden, anchor_array, cap, params, round_key, copy
+        )
         n = policy.draft_length(proposal, cap)
         drafted_at = time.perf_counter()
         result, drafts, committed = mode.verify(
@@ -270,4 +278,6 @@ def speculative_generate_step(
         produced += result.accepted + 1
         start += result.accepted + 1
         anchor = result.next_token
+        if copying:
+            history.extend([*drafts[: result.accepted], anchor])
         cap = next_cap()

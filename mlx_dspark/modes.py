@@ -83,7 +83,10 @@ class RoundMode(Protocol):
         cap: int,
         params: SamplingParams,
         key: mx.array,
-    ) -> Proposal: ...
+        copy: mx.array | None = None,
+    ) -> Proposal:
+        """Drafts for one round; ``copy`` holds tokens copied from the context
+        (see :meth:`~mlx_dspark.drafter.DSparkDrafter.propose`)."""
 
     def verify(
         self,
@@ -109,9 +112,10 @@ class ChainMode:
         cap: int,
         params: SamplingParams,
         key: mx.array,
+        copy: mx.array | None = None,
     ) -> Proposal:
         proposal = drafter.propose(
-            hidden, anchor, cap, params, None if params.greedy else key
+            hidden, anchor, cap, params, None if params.greedy else key, copy=copy
         )
         # Greedy acceptance never reads the draft logits: leave them lazy.
         logits = () if params.greedy else (proposal.logits,)
@@ -302,10 +306,12 @@ class TreeMode:
         cap: int,
         params: SamplingParams,
         key: mx.array,
+        copy: mx.array | None = None,
     ) -> Proposal:
         """A tree as a proposal: ``tokens[0, i]`` is node ``i + 1`` of the
         tree whose node 0 is the anchor; ``logits[0, i]`` the TSH-corrected
-        row it was drawn from; ``extra['parents'][i]`` its parent's index."""
+        row it was drawn from; ``extra['parents'][i]`` its parent's index.
+        Trees do not copy from the context."""
         nodes, base = self.build(
             drafter, hidden, int(anchor[0].item()), cap, params, key
         )

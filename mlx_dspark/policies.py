@@ -65,7 +65,12 @@ def proposal_survival(
     if calibration is None:
         return apply_sts(z, np.ones(z.size))[1]
     tops = _top_logprobs(proposal, cap, row) if any(calibration.top_weights) else None
-    return calibration.survival(z, tops)
+    copied = proposal.copied
+    if copied is not None and any(calibration.copy_weights):
+        copied = np.array(copied[row, :cap])
+    else:
+        copied = None
+    return calibration.survival(z, tops, copied)
 
 
 def guarded_cap(guard: MemoryGuard | None, telemetry: Telemetry, cap: int) -> int:

@@ -150,7 +150,7 @@ def biased_rounds(n, seed):
 
 def test_offset_fit_recovers_the_parameters_and_removes_a_bias_sts_cannot():
     z, t, survived = biased_rounds(40_000, seed=0)
-    temps, weights, offsets = fit_sts_offset(z, t, survived)
+    temps, weights, offsets, _ = fit_sts_offset(z, t, survived)
     # Positions 1-3 within 0.2 of every parameter (1 / T for the temperature),
     # position 4 (fewer rounds reach it) within 0.35; seeds 0-9 stay within
     # 0.14 and 0.17.
@@ -167,6 +167,37 @@ def test_offset_fit_recovers_the_parameters_and_removes_a_bias_sts_cannot():
     assert extended.top_weights == weights.tolist()
 
 
+def test_copy_flags_get_their_own_weight():
+    """Rows that carried a context-copy bias survive at their own rate: the
+    fit recovers that weight, and a calibration that reads the flags is
+    calibrated where one that does not is not."""
+    rng = np.random.default_rng(3)
+    copy_true = np.array([1.5, 1.0, -0.5, 0.0])
+
+    def rounds(n):
+        z, t, _ = biased_rounds(n, seed=int(rng.integers(1 << 30)))
+        c = rng.random(z.shape) < 0.4
+        p = sigmoid(z / T_TRUE + W_TRUE * t + B_TRUE + copy_true * c)
+        return z, t, c, prefix_labels(rng.random(z.shape) < p)
+
+    z, t, c, survived = rounds(40_000)
+    temps, weights, offsets, copy_weights = fit_sts_offset(z, t, survived, copied=c)
+    assert np.abs(copy_weights[:3] - copy_true[:3]).max() < 0.2, copy_weights
+    blind = fit_sts_offset(z, t, survived)
+    z2, t2, c2, s2 = rounds(40_000)
+    seeing = evaluate(z2, s2, temps, tops=t2, top_weights=weights, offsets=offsets,
+                      copied=c2, copy_weights=copy_weights)  # fmt: skip
+    unseeing = evaluate(z2, s2, blind[0], tops=t2, top_weights=blind[1],
+                        offsets=blind[2])  # fmt: skip
+    assert seeing.auc_after[0] > unseeing.auc_after[0] + 0.01
+    assert seeing.copy_weights == copy_weights.tolist()
+    survival = seeing.survival(z2[0], t2[0], c2[0])
+    assert np.allclose(
+        survival,
+        apply_sts(z2[0], temps, offsets, t2[0], weights, c2[0], copy_weights)[1],
+    )
+
+
 def test_offset_fit_reads_only_rounds_that_reached_each_position():
     """Position k is fitted on rounds whose prefix 1..k-1 was accepted: what
     happens after a rejection cannot move it, and an unreached position
@@ -181,7 +212,7 @@ def test_offset_fit_reads_only_rounds_that_reached_each_position():
     assert all(np.allclose(a, b) for a, b in zip(fitted, refitted, strict=True))
     valid = np.ones_like(survived)
     valid[:, 3] = False
-    temps, weights, offsets = fit_sts_offset(z, t, survived, valid=valid)
+    temps, weights, offsets, _ = fit_sts_offset(z, t, survived, valid=valid)
     assert (temps[3], weights[3], offsets[3]) == (1.0, 0.0, 0.0)
 
 

@@ -22,12 +22,12 @@ CONFIGS = [
 ]
 
 
-def exact_joint(model, params: SamplingParams) -> dict[tuple, float]:
+def exact_joint(model, params: SamplingParams, prompt=PROMPT) -> dict[tuple, float]:
     """P(x1, x2, x3 | prompt) of target-only sampling, by enumeration."""
-    first = np.exp(np.array(log_probs(model(mx.array([PROMPT]))[0, -1], params)))
+    first = np.exp(np.array(log_probs(model(mx.array([prompt]))[0, -1], params)))
     support = [int(a) for a in np.flatnonzero(first > 0)]
     pairs = [(a, b) for a in support for b in range(first.size)]
-    logits = model(mx.array([PROMPT + [a, b] for a, b in pairs]))
+    logits = model(mx.array([prompt + [a, b] for a, b in pairs]))
     second = np.exp(np.array(log_probs(logits[:, -2], params)))
     third = np.exp(np.array(log_probs(logits[:, -1], params)))
     joint = {}
@@ -64,13 +64,15 @@ def chi_square(samples: Counter, joint: dict, n: int) -> tuple[float, int]:
     return stat, dof
 
 
-def sample_first_three(model, drafter, params, mode=None, seeds=SEEDS, policy=None):
+def sample_first_three(
+    model, drafter, params, mode=None, seeds=SEEDS, policy=None, prompt=PROMPT
+):
     """``policy``, when given, makes each seed's draft policy."""
     target = TargetAdapter(model, drafter.config.target_layer_ids)
     samples, stats = Counter(), GenerationStats()
     for seed in range(seeds):
         tokens = speculative_generate_step(
-            mx.array(PROMPT),
+            mx.array(prompt),
             target,
             drafter,
             num_draft=drafter.block_size,

@@ -699,3 +699,45 @@ def test_draft_gate():
     assert not gate.should_draft(8)
     assert not gate.should_draft(7)  # nearer to 8
     assert gate.drafting_wins(5) == (gate.rate(4, True) > gate.rate(4, False))
+
+
+def test_batched_context_copying_stays_lossless(pair_factory):
+    """Greedy requests copy from their own contexts in one batched proposal
+    (a sampled one alone) and still match ``generate``; copying lifts the
+    accepted drafts on a target that repeats itself."""
+    from test_lookup import REPEATING_PROMPTS, with_copy_bias
+
+    from mlx_dspark.sampling import SamplingParams
+
+    model, tokenizer, drafter, *_ = pair_factory(block_size=8)
+    want = [
+        [r.token for r in stream_generate(model, tokenizer, drafter, p, max_tokens=32)]
+        for p in REPEATING_PROMPTS
+    ]
+    want = [w[:-1] if w[-1] in tokenizer.eos_token_ids else w for w in want]
+    accepted = {}
+    try:
+        for bias in (0.0, 1e3):
+            with_copy_bias(drafter, bias)
+            engine = BatchEngine(
+                model, tokenizer, drafter, EngineConfig(adaptive=False)
+            )
+            sampled = GenerationRequest(
+                REPEATING_PROMPTS[0], SamplingParams(temperature=0.8), max_tokens=32
+            )
+            handles = [
+                engine.submit(GenerationRequest(p, max_tokens=32))
+                for p in REPEATING_PROMPTS
+            ]
+            handles.append(engine.submit(sampled))
+            engine.start()
+            try:
+                got = collect(handles)
+            finally:
+                engine.stop()
+            assert got[:-1] == want, bias
+            assert 0 < len(got[-1]) <= 32
+            accepted[bias] = engine.stats.drafts_accepted
+    finally:
+        with_copy_bias(drafter, 0.0)
+    assert accepted[1e3] > accepted[0.0], accepted

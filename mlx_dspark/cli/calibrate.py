@@ -25,14 +25,17 @@ def render_result(result: CalibrationResult, console: Console) -> None:
     def fmt(value: float) -> str:
         return "-" if value is None or not math.isfinite(value) else f"{value:.3f}"
 
-    extended = bool(result.top_weights)
+    extended, copies = bool(result.top_weights), bool(result.copy_weights)
     kind = "STS + offset + top log-prob" if extended else "STS"
+    kind += " + copy" if copies else ""
     table = Table(title=f"{kind} calibration ({result.n_rounds} held-out rounds)")
     columns = ["pos", "T", *(["w top", "offset"] if extended else [])]
+    columns += ["w copy"] if copies else []
     for name in (*columns, "ECE raw", "ECE cal", "AUC raw", "AUC cal"):
         table.add_column(name, justify="right")
     for k, temp in enumerate(result.temperatures):
         extra = [result.top_weights[k], result.offsets[k]] if extended else []
+        extra += [result.copy_weights[k]] if copies else []
         table.add_row(
             str(k + 1),
             *map(fmt, [temp, *extra]),

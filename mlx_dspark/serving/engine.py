@@ -30,6 +30,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..drafter import DSparkDrafter, Proposal
+from ..lookup import continuation
 from ..loop import RoundStats, first_token
 from ..memory import MemoryGuard
 from ..modes import settle_chain
@@ -111,7 +112,8 @@ class _Slot:
     rounds: list[RoundStats] = field(default_factory=list)
     batch_sizes: int = 0  # sum over rounds of the batch each round ran in
     done: bool = False
-    # For the prompt cache: the tokens in the target cache and their features.
+    # The tokens in the target cache (context copying reads them) and, for
+    # the prompt cache, their features.
     context: list[int] = field(default_factory=list)
     context_features: list = field(default_factory=list)
 
@@ -623,8 +625,8 @@ class BatchEngine:
         self._prefilling.remove(slot)
         slot.anchor, slot.start = anchor, len(request.prompt)
         self.stats.prompt_tokens += len(request.prompt)
+        slot.context = list(request.prompt)
         if self.prompt_cache is not None:
-            slot.context = list(request.prompt)
             slot.context_features = list(slot.unseen)
             self._remember(slot)
         if self.batch is not None:
@@ -693,8 +695,8 @@ class BatchEngine:
                 slot.rng,
             )
             tokens = [*chain[: result.accepted], result.next_token]
+            slot.context += [slot.anchor, *tokens[:-1]]
             if self.prompt_cache is not None:
-                slot.context += [slot.anchor, *tokens[:-1]]
                 if committed is not None:
                     kept.append(mx.contiguous(committed))
                     slot.context_features.append(kept[-1])
@@ -768,8 +770,9 @@ class BatchEngine:
         if greedy:
             index = mx.array(greedy)
             n = max(caps[rows[j]] for j in greedy)
+            copy = self._copies([slots[rows[j]] for j in greedy], n)
             chains = drafter.propose(
-                hidden[index], anchors[index], n, SamplingParams(), None
+                hidden[index], anchors[index], n, SamplingParams(), None, copy=copy
             )
             for i, j in enumerate(greedy):
                 c = caps[rows[j]]
@@ -786,9 +789,23 @@ class BatchEngine:
                 continue
             slots[r].key, key = mx.random.split(slots[r].key)
             proposals[r] = drafter.propose(
-                hidden[j : j + 1], anchors[j : j + 1], caps[r], params, key
+                hidden[j : j + 1],
+                anchors[j : j + 1],
+                caps[r],
+                params,
+                key,
+                copy=self._copies([slots[r]], caps[r]),
             )
         return proposals
+
+    def _copies(self, slots: list[_Slot], n: int) -> mx.array | None:
+        """Each request's ``n`` tokens copied from its context (the drafter's
+        context copying), or None when the drafter does not copy."""
+        if not self.drafter.config.context_copy_bias:
+            return None
+        return mx.array(
+            np.stack([continuation([*s.context, s.anchor], n) for s in slots])
+        )
 
     def _emit(self, slot: _Slot, tokens: list[int], logprobs: list[float] | None):
         """Send committed tokens, stopping at end of sequence or max_tokens."""

@@ -1,0 +1,195 @@
+"""Context copying: the lookup, the drafter's copy bias, and losslessness with it."""
+
+import dataclasses
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import HEADS, head_id
+from test_drafter import random_drafter, reduced_drafter
+from test_greedy import dspark_tokens, target_greedy
+from test_sampling import (
+    CONFIGS,
+    SEEDS,
+    chi_square,
+    chi_square_critical,
+    exact_joint,
+    sample_first_three,
+)
+
+from mlx_dspark.lookup import continuation
+from mlx_dspark.modes import ChainMode
+from mlx_dspark.sampling import SamplingParams
+
+
+def brute_continuation(history, length, max_ngram=3):
+    """The lookup's definition, spelled out."""
+    for n in range(min(max_ngram, len(history) - 1), 0, -1):
+        suffix = history[-n:]
+        for end in range(len(history) - 2, n - 2, -1):
+            if history[end - n + 1 : end + 1] == suffix:
+                extended = list(history)
+                for i in range(length):
+                    extended.append(extended[end + 1 + i])
+                return extended[len(history) :]
+    return [-1] * length
+
+
+def test_continuation_prefers_the_longest_then_the_latest_match():
+    # [1, 6, 7] occurred once (then 8, 2, ...); [6, 7] last occurred before 9.
+    assert continuation([1, 6, 7, 8, 2, 6, 7, 9, 1, 6, 7], 4).tolist() == [8, 2, 6, 7]
+    assert continuation([1, 6, 7, 8, 2, 6, 7, 9, 3, 6, 7], 4).tolist() == [9, 3, 6, 7]
+    # Past the history's end the copy repeats itself with its period.
+    assert continuation([1, 6, 7, 8, 2, 6, 7, 9, 3, 6, 7], 6).tolist() == [
+        9, 3, 6, 7, 9, 3,
+    ]  # fmt: skip
+    assert continuation([5, 5, 5], 3).tolist() == [5, 5, 5]
+    assert continuation([1, 2, 3], 3).tolist() == [-1, -1, -1]
+    assert continuation([4], 2).tolist() == [-1, -1]
+    assert continuation([4, 4], 0).tolist() == []
+
+
+def test_continuation_matches_its_definition_on_random_histories():
+    rng = np.random.default_rng(0)
+    for trial in range(400):
+        history = rng.integers(0, 2 + trial % 6, size=rng.integers(1, 40)).tolist()
+        length = int(rng.integers(0, 8))
+        expected = brute_continuation(history, length)
+        assert continuation(history, length).tolist() == expected, history
+
+
+def with_copy_bias(drafter, bias):
+    drafter.config = dataclasses.replace(drafter.config, context_copy_bias=bias)
+    return drafter
+
+
+@pytest.mark.parametrize("reduced", [False, True], ids=["full-vocab", "reduced"])
+@pytest.mark.parametrize("head", ["vanilla", "rnn", None])
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_copy_bias_lifts_the_copied_tokens_while_the_drafts_follow_them(
+    head, reduced, temperature
+):
+    drafter = (
+        reduced_drafter(head, 2)
+        if reduced
+        else random_drafter(head or "vanilla", rank=8 if head else 0, seed=2)
+    )
+    ids = drafter.draft_to_target.tolist() if reduced else list(range(31))
+    anchor = mx.array([3, 11])
+    block = mx.stack([drafter.block_tokens(anchor[i : i + 1])[0] for i in range(2)])
+    hidden = drafter(block, 0, None, drafter.make_cache())
+    params = SamplingParams(temperature=temperature)
+    key = None if params.greedy else mx.random.key(1)
+    plain = drafter.propose(hidden, anchor, 4, params, key)
+    copy = mx.array([[ids[5], ids[7], -1, ids[2]], [ids[9], ids[4], ids[1], ids[6]]])
+    assert drafter.propose(
+        hidden, anchor, 4, params, key, copy=copy
+    ).tokens.tolist() == (
+        plain.tokens.tolist()
+    )  # a drafter whose config has no copy bias ignores the copy
+    with_copy_bias(drafter, 1e4)
+    copied = drafter.propose(hidden, anchor, 4, params, key, copy=copy)
+    # Row 0 follows the copy until it runs out; after its own draft the copy
+    # at position 3 no longer applies. Row 1 follows it all the way.
+    tokens = copied.tokens.tolist()
+    assert tokens[0][:2] == copy[0, :2].tolist()
+    assert tokens[1] == copy[1].tolist()
+    rows = np.array(copied.logits, dtype=np.float64)
+    assert rows[0, 3, copy[0, 3].item()] < 1e3
+    # The rows the drafts were drawn from carry the bias, so the verifier sees
+    # the true proposal; the calibration reads which rows did and the
+    # drafter's own log-probability (without the bias) of each row's top.
+    assert rows[1, 0, copy[1, 0].item()] > 1e3
+    flags = [[True, True, False, False], [True, True, True, True]]
+    assert copied.copied.tolist() == flags
+    own = rows.copy()
+    for r, k in zip(*np.nonzero(flags), strict=True):
+        own[r, k, copy[r, k].item()] -= 1e4
+    top = rows.argmax(-1)
+    finite = np.where(np.isfinite(own), own, -np.inf)
+    shift = finite.max(-1, keepdims=True)
+    log_z = np.log(np.exp(finite - shift).sum(-1)) + shift[..., 0]
+    expected = np.take_along_axis(own, top[..., None], -1)[..., 0] - log_z
+    assert np.allclose(np.array(copied.top_logprob), expected, atol=1e-3)
+    with_copy_bias(drafter, 0.0)
+
+
+def test_copy_bias_skips_tokens_outside_a_reduced_vocabulary():
+    drafter = with_copy_bias(reduced_drafter("vanilla", 3), 1e4)
+    outside = next(
+        t for t in range(31) if t not in set(drafter.draft_to_target.tolist())
+    )
+    anchor = mx.array([3])
+    hidden = drafter(drafter.block_tokens(anchor), 0, None, drafter.make_cache())
+    params = SamplingParams()
+    plain = drafter.propose(hidden, anchor, 3, params, None)
+    copied = drafter.propose(
+        hidden, anchor, 3, params, None, copy=mx.array([[outside, 1, 2]])
+    )
+    assert copied.tokens.tolist() == plain.tokens.tolist()
+
+
+REPEATING_PROMPTS = [[1, 2, 3, 4, 1, 2, 3], [7, 8, 7, 8, 7], [20, 4, 11, 9, 20, 4]]
+
+
+@pytest.mark.parametrize("head", HEADS, ids=head_id)
+def test_greedy_identical_with_context_copying(pair_factory, head):
+    model, tokenizer, drafter, *_ = pair_factory(markov_head_type=head, block_size=8)
+    accepted = {}
+    try:
+        for bias in (0.0, 1e3):
+            with_copy_bias(drafter, bias)
+            rounds = []
+            for prompt in REPEATING_PROMPTS:
+                expected = target_greedy(model, prompt)
+                for num_draft in (1, 3, 8):
+                    tokens, last = dspark_tokens(
+                        model, tokenizer, drafter, prompt, max_tokens=64,
+                        num_draft=num_draft, scheduler="off",
+                    )  # fmt: skip
+                    assert tokens == expected, (prompt, num_draft, bias)
+                    rounds += last.stats.rounds
+            accepted[bias] = np.mean([r.accepted for r in rounds])
+    finally:
+        with_copy_bias(drafter, 0.0)
+    # The structured target repeats itself; copying must be accepted more.
+    assert accepted[1e3] > accepted[0.0] + 0.2, accepted
+
+
+# Every token but the mask occurs once, so whatever comes first, the
+# context has a copy to offer: the token 7 ids on.
+COPY_PROMPT = [(7 * i) % 31 for i in range(31)]
+
+
+class DraftsWithoutTheirBias(ChainMode):
+    """A wrong proposal: drafts drawn with the copy bias, verified against
+    rows without it."""
+
+    def propose(self, drafter, hidden, anchor, cap, params, key, copy=None):
+        proposal = super().propose(drafter, hidden, anchor, cap, params, key, copy)
+        unbiased = drafter.propose(hidden, anchor, cap, params, key)
+        proposal.logits = unbiased.logits
+        return proposal
+
+
+@pytest.mark.parametrize("params", CONFIGS, ids=["t0.7-p0.9-k8", "t1"])
+def test_sampling_exact_with_context_copying(pair_factory, params):
+    model, _, drafter, *_ = pair_factory(
+        markov_head_type="vanilla", sharpness=0.6, block_size=4
+    )
+    joint = exact_joint(model, params, COPY_PROMPT)
+    try:
+        with_copy_bias(drafter, 40.0)
+        samples, stats = sample_first_three(model, drafter, params, prompt=COPY_PROMPT)
+        stat, dof = chi_square(samples, joint, SEEDS)
+        assert dof >= 5
+        assert stat < chi_square_critical(dof), (stat, dof)
+        accepted = [r.accepted for r in stats.rounds]
+        assert 0 < np.mean(accepted) < max(r.verified for r in stats.rounds)
+        if params.temperature == 1.0:
+            wrong, _ = sample_first_three(
+                model, drafter, params, DraftsWithoutTheirBias(), prompt=COPY_PROMPT
+            )
+            assert chi_square(wrong, joint, SEEDS)[0] > chi_square_critical(dof)
+    finally:
+        with_copy_bias(drafter, 0.0)
