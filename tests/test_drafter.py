@@ -217,6 +217,21 @@ def reduced_drafter(head, seed=0):
     return reduced
 
 
+def head_drafter(head, reduced, seed):
+    """A random drafter with sequential ``head`` (None: none), its vocabulary
+    the target's or a reduced one."""
+    if reduced:
+        return reduced_drafter(head, seed)
+    return random_drafter(head or "vanilla", rank=8 if head else 0, seed=seed)
+
+
+def two_blocks(drafter):
+    """The backbone's hidden states of two requests' blocks, and their anchors."""
+    anchor = mx.array([3, 11])
+    block = mx.stack([drafter.block_tokens(anchor[i : i + 1])[0] for i in range(2)])
+    return drafter(block, 0, None, drafter.make_cache()), anchor
+
+
 def full_row_greedy(drafter, hidden, anchor, n):
     """Greedy drafts as argmax over full target-vocabulary rows."""
     base = drafter.logits(hidden[:, :n])
@@ -237,15 +252,8 @@ def full_row_greedy(drafter, hidden, anchor, n):
 @pytest.mark.parametrize("head", ["vanilla", "gated", "rnn", None])
 def test_fast_greedy_drafts_equal_full_row_argmax(head, reduced):
     for seed in range(4):
-        if reduced:
-            drafter = reduced_drafter(head, seed)
-        else:
-            drafter = random_drafter(
-                head or "vanilla", rank=8 if head else 0, seed=seed
-            )
-        anchor = mx.array([3, 11])
-        block = mx.stack([drafter.block_tokens(anchor[i : i + 1])[0] for i in range(2)])
-        hidden = drafter(block, 0, None, drafter.make_cache())
+        drafter = head_drafter(head, reduced, seed)
+        hidden, anchor = two_blocks(drafter)
         proposal = drafter.propose(hidden, anchor, 5, SamplingParams(), None)
         tokens, rows = full_row_greedy(drafter, hidden, anchor, 5)
         assert np.array(proposal.tokens).tolist() == np.array(tokens).tolist()
@@ -266,13 +274,8 @@ def test_top_logprob_is_the_largest_log_probability_of_each_draft_row(
 ):
     """The calibration's second input: max log-softmax of the rows the drafts
     were drawn from, greedy or sampled, whatever the temperature."""
-    if reduced:
-        drafter = reduced_drafter(head, 0)
-    else:
-        drafter = random_drafter(head or "vanilla", rank=8 if head else 0, seed=0)
-    anchor = mx.array([3, 11])
-    block = mx.stack([drafter.block_tokens(anchor[i : i + 1])[0] for i in range(2)])
-    hidden = drafter(block, 0, None, drafter.make_cache())
+    drafter = head_drafter(head, reduced, 0)
+    hidden, anchor = two_blocks(drafter)
     params = SamplingParams(temperature=temperature)
     key = None if params.greedy else mx.random.key(0)
     proposal = drafter.propose(hidden, anchor, 5, params, key)
@@ -286,10 +289,8 @@ def test_top_logprob_is_the_largest_log_probability_of_each_draft_row(
 @pytest.mark.parametrize("reduced", [False, True], ids=["full-vocab", "reduced"])
 @pytest.mark.parametrize("head", ["vanilla", "gated", "rnn"])
 def test_compiled_and_plain_greedy_chains_give_identical_drafts(head, reduced):
-    drafter = reduced_drafter(head, 1) if reduced else random_drafter(head, seed=1)
-    anchor = mx.array([3, 11])
-    block = mx.stack([drafter.block_tokens(anchor[i : i + 1])[0] for i in range(2)])
-    hidden = drafter(block, 0, None, drafter.make_cache())
+    drafter = head_drafter(head, reduced, 1)
+    hidden, anchor = two_blocks(drafter)
     outputs = {}
     for compiled in (False, True):
         drafter.compile_greedy_chain(compiled)

@@ -245,8 +245,8 @@ class OracleMode(ChainMode):
         self.generated, self.position, self.rounds = generated, 0, 0
         self.rng = np.random.default_rng(seed)
 
-    def propose(self, drafter, hidden, anchor, cap, params, key):
-        proposal = super().propose(drafter, hidden, anchor, cap, params, key)
+    def propose(self, drafter, hidden, anchor, cap, params, key, copy=None):
+        proposal = super().propose(drafter, hidden, anchor, cap, params, key, copy)
         drafts = self.generated[self.position + 1 : self.position + 1 + cap]
         drafts += [0] * (cap - len(drafts))
         if not (cap <= 2 and self.rounds % 3 == 2):

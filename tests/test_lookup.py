@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import HEADS, head_id
-from test_drafter import random_drafter, reduced_drafter
+from test_drafter import head_drafter, reduced_drafter, two_blocks
 from test_greedy import dspark_tokens, target_greedy
 from test_sampling import (
     CONFIGS,
@@ -69,15 +69,9 @@ def with_copy_bias(drafter, bias):
 def test_copy_bias_lifts_the_copied_tokens_while_the_drafts_follow_them(
     head, reduced, temperature
 ):
-    drafter = (
-        reduced_drafter(head, 2)
-        if reduced
-        else random_drafter(head or "vanilla", rank=8 if head else 0, seed=2)
-    )
+    drafter = head_drafter(head, reduced, 2)
     ids = drafter.draft_to_target.tolist() if reduced else list(range(31))
-    anchor = mx.array([3, 11])
-    block = mx.stack([drafter.block_tokens(anchor[i : i + 1])[0] for i in range(2)])
-    hidden = drafter(block, 0, None, drafter.make_cache())
+    hidden, anchor = two_blocks(drafter)
     params = SamplingParams(temperature=temperature)
     key = None if params.greedy else mx.random.key(1)
     plain = drafter.propose(hidden, anchor, 4, params, key)
