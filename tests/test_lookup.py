@@ -22,9 +22,9 @@ from mlx_dspark.modes import ChainMode
 from mlx_dspark.sampling import SamplingParams
 
 
-def brute_continuation(history, length, max_ngram=3):
+def brute_continuation(history, length, min_ngram=2, max_ngram=3):
     """The lookup's definition, spelled out."""
-    for n in range(min(max_ngram, len(history) - 1), 0, -1):
+    for n in range(min(max_ngram, len(history) - 1), min_ngram - 1, -1):
         suffix = history[-n:]
         for end in range(len(history) - 2, n - 2, -1):
             if history[end - n + 1 : end + 1] == suffix:
@@ -44,6 +44,9 @@ def test_continuation_prefers_the_longest_then_the_latest_match():
         9, 3, 6, 7, 9, 3,
     ]  # fmt: skip
     assert continuation([5, 5, 5], 3).tolist() == [5, 5, 5]
+    # One token seen before is not enough, unless asked for.
+    assert continuation([1, 2, 3, 2], 2).tolist() == [-1, -1]
+    assert continuation([1, 2, 3, 2], 2, min_ngram=1).tolist() == [3, 2]
     assert continuation([1, 2, 3], 3).tolist() == [-1, -1, -1]
     assert continuation([4], 2).tolist() == [-1, -1]
     assert continuation([4, 4], 0).tolist() == []
@@ -53,9 +56,10 @@ def test_continuation_matches_its_definition_on_random_histories():
     rng = np.random.default_rng(0)
     for trial in range(400):
         history = rng.integers(0, 2 + trial % 6, size=rng.integers(1, 40)).tolist()
-        length = int(rng.integers(0, 8))
-        expected = brute_continuation(history, length)
-        assert continuation(history, length).tolist() == expected, history
+        length, least = int(rng.integers(0, 8)), 1 + trial % 3
+        expected = brute_continuation(history, length, least)
+        got = continuation(history, length, min_ngram=least)
+        assert got.tolist() == expected, (history, least)
 
 
 def with_copy_bias(drafter, bias):
@@ -150,9 +154,9 @@ def test_greedy_identical_with_context_copying(pair_factory, head):
     assert accepted[1e3] > accepted[0.0] + 0.2, accepted
 
 
-# Every token but the mask occurs once, so whatever comes first, the
-# context has a copy to offer: the token 7 ids on.
-COPY_PROMPT = [(7 * i) % 31 for i in range(31)]
+# "0 x" occurred for every token x but 0 and the mask, so whatever comes
+# first, the context has a copy to offer: "0, x + 1, 0, ...".
+COPY_PROMPT = [*(t for x in range(1, 31) for t in (0, x)), 0]
 
 
 class DraftsWithoutTheirBias(ChainMode):

@@ -122,6 +122,11 @@ class _Slot:
         return self.handle.request
 
 
+def _row(values: mx.array | None, i: int, n: int) -> mx.array | None:
+    """Row ``i``'s first ``n`` drafts of a batched proposal's field."""
+    return None if values is None else values[i : i + 1, :n]
+
+
 @dataclass
 class EngineStats:
     """Totals since the engine started (read by ``/metrics`` and tests)."""
@@ -776,12 +781,12 @@ class BatchEngine:
             )
             for i, j in enumerate(greedy):
                 c = caps[rows[j]]
-                confidence, top = chains.confidence, chains.top_logprob
                 proposals[rows[j]] = Proposal(
-                    chains.tokens[i : i + 1, :c],
-                    chains.logits[i : i + 1, :c],
-                    None if confidence is None else confidence[i : i + 1, :c],
-                    top_logprob=None if top is None else top[i : i + 1, :c],
+                    _row(chains.tokens, i, c),
+                    _row(chains.logits, i, c),
+                    _row(chains.confidence, i, c),
+                    top_logprob=_row(chains.top_logprob, i, c),
+                    copied=_row(chains.copied, i, c),
                 )
         for j, r in enumerate(rows):
             params = slots[r].request.params
