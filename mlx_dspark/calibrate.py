@@ -33,8 +33,8 @@ from .calibration import (
     evaluate,
     fit_sts,
     fit_sts_offset,
+    records_per_position,
     records_to_arrays,
-    records_top_logprobs,
 )
 from .drafter import DSparkDrafter, Proposal
 from .errors import DSparkError
@@ -209,8 +209,8 @@ def fit_records(
     and a weight on them (:func:`fit_sts_offset`), and on the copy flags of a
     drafter that copies from the context; else plain STS."""
     logits, survived, valid = records_to_arrays(records, n_positions)
-    tops = records_top_logprobs(records, n_positions)
-    copied = records_top_logprobs(records, n_positions, "copied")
+    tops = records_per_position(records, "top_logprobs", n_positions)
+    copied = records_per_position(records, "copied", n_positions)
     held = np.array([g % 3 == 2 for g in groups])
     if len(records) < 40 or len(set(groups)) < 3:
         held[:] = False

@@ -152,20 +152,20 @@ def records_to_arrays(
     return logits, survived, valid
 
 
-def records_top_logprobs(
+def records_per_position(
     records: list[CalibrationRecord],
+    name: str,
     n_positions: int | None = None,
-    field: str = "top_logprobs",
 ) -> np.ndarray | None:
-    """The rounds' top log-probabilities (or another recorded ``field``,
+    """A recorded per-draft ``name`` of the rounds (``top_logprobs``,
     ``copied``) as [rounds, K] (0 where none was drafted), or None when a
-    round did not record them."""
-    if not records or any(getattr(r, field) is None for r in records):
+    round did not record it."""
+    if not records or any(getattr(r, name) is None for r in records):
         return None
     k = n_positions or max(len(r.logits) for r in records)
     values = np.zeros((len(records), k))
     for i, rec in enumerate(records):
-        t = np.asarray(getattr(rec, field), dtype=np.float64)[:k]
+        t = np.asarray(getattr(rec, name), dtype=np.float64)[:k]
         values[i, : t.size] = t
     return values
 

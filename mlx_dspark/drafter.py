@@ -503,22 +503,17 @@ class DSparkDrafter(nn.Module):
         corrected = self.to_target(rows)
         if not confidence:
             return Proposal(tokens, corrected)
-        proposal = Proposal(
-            tokens,
-            corrected,
-            self.chain_confidence(hidden, anchor, tokens),
-            top_logprob=top_logprob(rows),
+        raw = self.chain_confidence(hidden, anchor, tokens)
+        if copy is None:
+            return Proposal(tokens, corrected, raw, top_logprob=top_logprob(rows))
+        hits = self._copy_hits(tokens, copy)
+        own = rows - hits.astype(rows.dtype) * self.config.context_copy_bias
+        top = mx.argmax(rows, axis=-1, keepdims=True)
+        own_top = mx.take_along_axis(own, top, axis=-1).squeeze(-1)
+        own_logprob = (own_top - mx.logsumexp(own, axis=-1)).astype(mx.float32)
+        return Proposal(
+            tokens, corrected, raw, top_logprob=own_logprob, copied=hits.any(axis=-1)
         )
-        if copy is not None:
-            hits = self._copy_hits(tokens, copy)
-            own = rows - hits.astype(rows.dtype) * self.config.context_copy_bias
-            top = mx.argmax(rows, axis=-1, keepdims=True)
-            own_top = mx.take_along_axis(own, top, axis=-1).squeeze(-1)
-            proposal.top_logprob = (own_top - mx.logsumexp(own, axis=-1)).astype(
-                mx.float32
-            )
-            proposal.copied = hits.any(axis=-1)
-        return proposal
 
     def _head_state(self, anchor: mx.array) -> mx.array | None:
         head = self.markov_head
