@@ -24,6 +24,13 @@ estimate plus ``optimism`` standard errors of its decayed counts) predicts
 plain rounds faster: near the break-even acceptance a short run of rejected
 drafts says little, and once plain the policy learns only from probes.
 
+With a drafter that copies from the context (:mod:`~mlx_dspark.lookup`),
+rounds the context offers a copy and rounds it does not are two kinds, each
+with its own acceptance, chosen length, plain runs and probes (costs are
+shared): copied runs are kept far longer than the drafter's own guesses, and
+averaging the two would cut the one and overdraw the other. Whether there is
+a copy is known before drafting.
+
 The choice is made before drafting from past rounds only, so it cannot
 depend on the drafts it admits: lossless like any fixed length. With an STS
 calibration, Algorithm 1 (:func:`~mlx_dspark.scheduler.schedule`) then cuts
@@ -71,6 +78,51 @@ def _line(
 
 
 @dataclass
+class RoundKind:
+    """What the policy measured and decided for one kind of round (offered a
+    copy from the context, or not).
+
+    Per draft position the decayed kept and rejected counts and how many
+    rounds reached it; how many drafts recent rounds kept; the length chosen
+    for the coming rounds of this kind, and the plain-run / probe state.
+    """
+
+    successes: list[float] = field(default_factory=list)
+    failures: list[float] = field(default_factory=list)
+    observations: list[int] = field(default_factory=list)
+    kept: deque = field(default_factory=deque)
+    choice: int | None = None
+    interval: int = 0
+    plain_left: int = 0
+    probing: bool = False
+    probe_hits: float = 0.0
+    stale: bool = True
+    cap: int = -1
+
+    def add(self, verified: int, accepted: int, decay: float) -> None:
+        self.kept.append(accepted)
+        while len(self.successes) < verified:
+            self.successes.append(0.0)
+            self.failures.append(0.0)
+            self.observations.append(0)
+        for k in range(min(verified, accepted + 1)):
+            self.successes[k] *= decay
+            self.failures[k] *= decay
+            self.observations[k] += 1
+            if k < accepted:
+                self.successes[k] += 1.0
+            else:
+                self.failures[k] += 1.0
+
+    def remember(self, earlier: RoundKind) -> None:
+        self.interval = earlier.interval
+        self.kept.extend(earlier.kept)
+        self.successes = list(earlier.successes)
+        self.failures = list(earlier.failures)
+        self.observations = list(earlier.observations)
+
+
+@dataclass
 class AdaptivePolicy(_Recording):
     """Per-round draft length 0..cap maximising predicted tokens/s.
 
@@ -91,64 +143,55 @@ class AdaptivePolicy(_Recording):
     probe_max: int = 128
     plain_costs: deque = field(default_factory=deque)
     drafted_costs: deque = field(default_factory=deque)
-    successes: list[float] = field(default_factory=list)
-    failures: list[float] = field(default_factory=list)
-    observations: list[int] = field(default_factory=list)
-    choice: int | None = None  # the length decided for the coming rounds
-    interval: int = 0
-    plain_left: int = 0
-    probing: bool = False
-    probe_hits: float = 0.0
+    text: RoundKind = field(default_factory=RoundKind)  # rounds without a copy
+    copies: RoundKind = field(default_factory=RoundKind)  # rounds offered one
     last_drafted: bool = False
     last_tokens: int = 1
-    kept: deque = field(default_factory=deque)  # accepted drafts, recent rounds
-    _stale: bool = True
-    _cap: int = -1
 
     def __post_init__(self) -> None:
-        self.interval = self.probe_after
         self.plain_costs = deque(self.plain_costs, maxlen=self.window)
         self.drafted_costs = deque(self.drafted_costs, maxlen=self.drafted_window)
-        self.kept = deque(self.kept, maxlen=self.drafted_window)
+        for kind in (self.text, self.copies):
+            kind.interval = self.probe_after
+            kind.kept = deque(kind.kept, maxlen=self.drafted_window)
 
     def remember(self, earlier: AdaptivePolicy) -> None:
         """Start from what an earlier generation measured (costs, acceptance,
         how long drafts were kept, how long to wait before probing), not
         from the prior."""
-        self.interval = earlier.interval
         self.plain_costs.extend(earlier.plain_costs)
         self.drafted_costs.extend(earlier.drafted_costs)
-        self.kept.extend(earlier.kept)
-        self.successes = list(earlier.successes)
-        self.failures = list(earlier.failures)
-        self.observations = list(earlier.observations)
+        self.text.remember(earlier.text)
+        self.copies.remember(earlier.copies)
 
     # -- estimates ---------------------------------------------------------
 
-    def _counts(self, k: int) -> tuple[float, float, float]:
+    def _counts(self, k: int, copy: bool = False) -> tuple[float, float, float]:
         """Position ``k``'s decayed kept and rejected counts and prior weight."""
-        s = self.successes[k] if k < len(self.successes) else 0.0
-        f = self.failures[k] if k < len(self.failures) else 0.0
-        seen = self.observations[k] if k < len(self.observations) else 0
+        counts = self.copies if copy else self.text
+        s = counts.successes[k] if k < len(counts.successes) else 0.0
+        f = counts.failures[k] if k < len(counts.failures) else 0.0
+        seen = counts.observations[k] if k < len(counts.observations) else 0
         return s, f, self.prior_strength * self.decay**seen  # the prior fades too
 
-    def acceptance(self, cap: int) -> list[float]:
-        """Conditional acceptance estimates p_1..p_cap."""
+    def acceptance(self, cap: int, copy: bool = False) -> list[float]:
+        """Conditional acceptance estimates p_1..p_cap (of rounds offered a
+        copy when ``copy``)."""
         rates, prior = [], 0.5
         for k in range(cap):
             if self.prior is not None and k < len(self.prior):
                 prior = self.prior[k]
-            s, f, weight = self._counts(k)
+            s, f, weight = self._counts(k, copy)
             prior = (weight * prior + s) / (weight + s + f)
             rates.append(prior)
         return rates
 
-    def drafting_may_pay(self) -> bool:
+    def drafting_may_pay(self, copy: bool = False) -> bool:
         """Whether one draft a round beats plain rounds at the optimistic
         first-draft acceptance (``optimism`` standard errors above the
         estimate)."""
-        p = self.acceptance(1)[0]
-        s, f, weight = self._counts(0)
+        p = self.acceptance(1, copy)[0]
+        s, f, weight = self._counts(0, copy)
         p = min(
             1.0, p + self.optimism * (p * (1.0 - p) / (weight + s + f + 1.0)) ** 0.5
         )
@@ -196,64 +239,66 @@ class AdaptivePolicy(_Recording):
             base, slope = _DRAFT_OVERHEAD * plain, _PER_DRAFT * plain
         return [plain] + [max(base + slope * n, 1e-9) for n in range(1, cap + 1)]
 
-    def predicted_rates(self, cap: int) -> list[float]:
+    def predicted_rates(self, cap: int, copy: bool = False) -> list[float]:
         """Predicted tokens per second for n = 0..cap drafts per round."""
         costs = self.round_costs(cap)
         rates, expected, survive = [1.0 / costs[0]], 1.0, 1.0
-        for n, p in enumerate(self.acceptance(cap), start=1):
+        for n, p in enumerate(self.acceptance(cap, copy), start=1):
             survive *= p
             expected += survive
             rates.append(expected / costs[n])
         return rates
 
-    def best_length(self, cap: int) -> int:
+    def best_length(self, cap: int, copy: bool = False) -> int:
         """The best predicted length; among lengths within 1% of the best, the
         longest (cheap deeper drafts keep their acceptance measured). Lengths
         beyond twice the longest recently kept prefix (plus one) are not
         considered: deep drafts are only tried once shallow ones are kept.
         Plain (0) only when :meth:`drafting_may_pay` says no; else at least 1."""
-        reach = max(self.kept, default=1) + 1
-        rates = self.predicted_rates(min(cap, 2 * reach))
+        kept = (self.copies if copy else self.text).kept
+        reach = max(kept, default=1) + 1
+        rates = self.predicted_rates(min(cap, 2 * reach), copy)
         best = 0.99 * max(rates)
         length = max(n for n, rate in enumerate(rates) if rate >= best)
-        if length == 0 and cap > 0 and self.drafting_may_pay():
+        if length == 0 and cap > 0 and self.drafting_may_pay(copy):
             return 1
         return length
 
     # -- the loop's hooks --------------------------------------------------
 
-    def round_cap(self, cap: int) -> int:
+    def round_cap(self, cap: int, copy: bool = False) -> int:
         cap = guarded_cap(self.guard, self.telemetry, cap)
-        n = self._decide(cap) if cap > 0 else 0
+        n = self._decide(cap, copy) if cap > 0 else 0
         self.telemetry.n_current = n
         return n
 
-    def _decide(self, cap: int) -> int:
-        if self.plain_left > 0:  # counting plain rounds: no arithmetic
-            self.plain_left -= 1
+    def _decide(self, cap: int, copy: bool) -> int:
+        kind = self.copies if copy else self.text
+        if kind.plain_left > 0:  # counting plain rounds: no arithmetic
+            kind.plain_left -= 1
             return 0
-        if self._stale or cap != self._cap:
-            previous = self.choice
-            self.choice, self._cap = self.best_length(cap), cap
-            self._stale = False
-            probed, self.probing = self.probing, False
-            if self.choice == 0:
-                if probed and self.successes[0] > self.probe_hits:
-                    self.interval = self.probe_after  # a kept probe: look again soon
+        if kind.stale or cap != kind.cap:
+            previous = kind.choice
+            kind.choice, kind.cap = self.best_length(cap, copy), cap
+            kind.stale = False
+            probed, kind.probing = kind.probing, False
+            if kind.choice == 0:
+                if probed and self._counts(0, copy)[0] > kind.probe_hits:
+                    kind.interval = self.probe_after  # a kept probe: look again soon
                 elif probed:  # a rejected probe: wait longer
-                    self.interval = min(2 * self.interval, self.probe_max)
+                    kind.interval = min(2 * kind.interval, self.probe_max)
                 elif previous != 0:
-                    self.interval = self.probe_after
-                self.plain_left = self.interval - 1
+                    kind.interval = self.probe_after
+                kind.plain_left = kind.interval - 1
                 return 0
             if probed:
-                self.interval = self.probe_after
-            return min(self.choice, cap)
-        if self.choice == 0:  # the plain run is over: probe with one draft
-            self.probing = True
-            self.probe_hits = self.successes[0] if self.successes else 0.0
+                kind.interval = self.probe_after
+            return min(kind.choice, cap)
+        if kind.choice == 0:  # the plain run is over: probe with one draft
+            kind.probing = True
+            kind.probe_hits = self._counts(0, copy)[0]
             return 1
-        return min(self.choice, cap)
+        return min(kind.choice, cap)
 
     def draft_length(self, proposal: Proposal, cap: int) -> int:
         if self.calibration is None:
@@ -275,8 +320,6 @@ class AdaptivePolicy(_Recording):
         steady, tokens = self.last_drafted, self.last_tokens
         self.last_drafted = round_stats.drafted > 0
         self.last_tokens = round_stats.accepted + 1
-        if self.last_drafted:
-            self.kept.append(round_stats.accepted)
         if not self.last_drafted:
             self.plain_costs.append(seconds)
             return
@@ -292,17 +335,6 @@ class AdaptivePolicy(_Recording):
                     round_stats.draft_time,
                 )
             )
-        accepted = round_stats.accepted
-        while len(self.successes) < n:
-            self.successes.append(0.0)
-            self.failures.append(0.0)
-            self.observations.append(0)
-        for k in range(min(n, accepted + 1)):
-            self.successes[k] *= self.decay
-            self.failures[k] *= self.decay
-            self.observations[k] += 1
-            if k < accepted:
-                self.successes[k] += 1.0
-            else:
-                self.failures[k] += 1.0
-        self._stale = True
+        kind = self.copies if round_stats.copy_offered else self.text
+        kind.add(n, round_stats.accepted, self.decay)
+        kind.stale = True

@@ -51,3 +51,8 @@ def continuation(
     for i in range(length):
         out[i] = tokens[source + i] if i < period else out[i - period]
     return out
+
+
+def offers(copy: np.ndarray | None) -> bool:
+    """Whether a :func:`continuation` (None: no copying) found anything to copy."""
+    return copy is not None and copy.size > 0 and bool(copy[0] >= 0)

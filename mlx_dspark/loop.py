@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from .drafter import DraftCache, DSparkDrafter, Proposal
-from .lookup import continuation
+from .lookup import continuation, offers
 from .modes import ChainMode, RoundMode
 from .sampling import SamplingParams, log_probs, sample
 from .scheduler import threshold_cut
@@ -39,6 +39,7 @@ class RoundStats:
     # Since the previous round ended, including the caller's time with the
     # previous round's tokens (which a pipelined plain round overlaps).
     wall_time: float = 0.0
+    copy_offered: bool = False  # the context had a copy for this round
 
 
 @dataclass
@@ -85,10 +86,12 @@ class GenerationStats:
 class DraftPolicy(Protocol):
     """Decides how many drafts each round verifies.
 
-    Two optional methods are called when a policy has them: ``round_cap(cap)
-    -> int`` may lower a round's cap before drafting (it must not look at the
-    round's drafts; the memory guard uses it), and ``observe(proposal, round)``
-    sees every finished round (calibration, telemetry).
+    Two optional methods are called when a policy has them: ``round_cap(cap,
+    copy) -> int`` may lower a round's cap before drafting (it must not look at
+    the round's drafts; the memory guard uses it; ``copy`` says whether the
+    context offers the round a copy, see :mod:`~mlx_dspark.lookup`), and
+    ``observe(proposal, round)`` sees every finished round (calibration,
+    telemetry).
     """
 
     def draft_length(self, proposal: Proposal, cap: int) -> int:
@@ -98,7 +101,9 @@ class DraftPolicy(Protocol):
 # A round whose cap is 0 is a plain round: one pipelined target step and no
 # drafter. ``round_cap`` for the round after a plain one is asked before that
 # plain round's token reaches the host (and before its ``observe``), so that a
-# following plain step can be queued on the lazy token; it must not sync.
+# following plain step can be queued on the lazy token; it must not sync. A
+# drafter that copies from the context needs that token to look the copy up,
+# so with copying the next plain step is queued once the token is known.
 
 
 @dataclass
@@ -204,13 +209,18 @@ def speculative_generate_step(
     def split(key: mx.array) -> tuple[mx.array, mx.array | None]:
         return (key, None) if params.greedy else mx.random.split(key)
 
-    def next_cap() -> int:
+    def lookup() -> np.ndarray | None:
+        """The coming round's copy from the context (None without copying)."""
+        return continuation(history, num_draft) if copying else None
+
+    def next_cap(copy: np.ndarray | None) -> int:
         cap = min(num_draft, max_tokens - produced - 1)
         if round_cap is not None:
-            cap = max(0, min(cap, int(round_cap(cap))))
+            cap = max(0, min(cap, int(round_cap(cap, copy=offers(copy)))))
         return cap
 
-    cap = next_cap()
+    copy = lookup()
+    cap = next_cap(copy)
     while produced < max_tokens:
         tic = time.perf_counter()
         if cap == 0:
@@ -226,17 +236,21 @@ def speculative_generate_step(
             ahead = None
             produced += 1
             start += 1
-            cap = next_cap()
+            offered = offers(copy)
+            if copying:
+                history.append(token.item())
+                copy = lookup()
+            cap = next_cap(copy)
             if cap == 0 and produced < max_tokens:
                 key, step_key = split(key)
                 ahead = plain_step(target, cache, token, params, step_key)
                 mx.async_eval([a for a in ahead if a is not None])
             anchor = token.item()
-            if copying:
-                history.append(anchor)
             unseen.append(features)
             now = time.perf_counter()
-            stats.rounds.append(RoundStats(0, 0, 0, 0.0, now - tic, now - ended))
+            stats.rounds.append(
+                RoundStats(0, 0, 0, 0.0, now - tic, now - ended, offered)
+            )
             ended = now
             if observe is not None:
                 observe(no_proposal, stats.rounds[-1])
@@ -248,9 +262,14 @@ def speculative_generate_step(
         hidden = drafter(
             drafter.block_tokens(anchor_array), start, context, draft_cache
         )
-        copy = mx.array(continuation(history, cap))[None] if copying else None
         proposal = mode.propose(
-            drafter, hidden, anchor_array, cap, params, round_key, copy
+            drafter,
+            hidden,
+            anchor_array,
+            cap,
+            params,
+            round_key,
+            None if copy is None else mx.array(copy[:cap])[None],
         )
         n = policy.draft_length(proposal, cap)
         drafted_at = time.perf_counter()
@@ -267,6 +286,7 @@ def speculative_generate_step(
                 draft_time=drafted_at - tic,
                 verify_time=now - drafted_at,
                 wall_time=now - ended,
+                copy_offered=offers(copy),
             )
         )
         ended = now
@@ -280,4 +300,5 @@ def speculative_generate_step(
         anchor = result.next_token
         if copying:
             history.extend([*drafts[: result.accepted], anchor])
-        cap = next_cap()
+        copy = lookup()
+        cap = next_cap(copy)

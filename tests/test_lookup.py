@@ -1,5 +1,6 @@
 """Context copying: the lookup, the drafter's copy bias, and losslessness with it."""
 
+import contextlib
 import dataclasses
 
 import mlx.core as mx
@@ -65,6 +66,17 @@ def test_continuation_matches_its_definition_on_random_histories():
 def with_copy_bias(drafter, bias):
     drafter.config = dataclasses.replace(drafter.config, context_copy_bias=bias)
     return drafter
+
+
+@contextlib.contextmanager
+def copy_bias(drafter, bias):
+    """The (session-cached) drafter copying with ``bias`` inside the block."""
+    original = drafter.config
+    with_copy_bias(drafter, bias)
+    try:
+        yield drafter
+    finally:
+        drafter.config = original
 
 
 @pytest.mark.parametrize("reduced", [False, True], ids=["full-vocab", "reduced"])

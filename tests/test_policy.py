@@ -6,6 +6,7 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
+from test_lookup import copy_bias
 from test_sampling import (
     CONFIGS,
     PROMPT,
@@ -21,6 +22,7 @@ from mlx_dspark.adaptive import AdaptivePolicy
 from mlx_dspark.benchmark import randomize_weights
 from mlx_dspark.drafter import Proposal
 from mlx_dspark.loading import load
+from mlx_dspark.lookup import continuation
 from mlx_dspark.loop import GenerationStats, RoundStats, speculative_generate_step
 from mlx_dspark.sampling import SamplingParams
 from mlx_dspark.scheduler import StepRateCurve
@@ -58,7 +60,7 @@ def test_never_accepted_drafts_mean_plain_decoding():
     assert chosen[0] > 0  # it tries drafting first
     assert chosen[-100:].count(0) >= 97  # then decodes plainly, probing rarely
     assert set(chosen[-100:]) <= {0, 1}
-    assert policy.interval == policy.probe_max  # failed probes back off
+    assert policy.text.interval == policy.probe_max  # failed probes back off
 
 
 def test_always_accepted_drafts_mean_full_rounds():
@@ -108,15 +110,59 @@ def test_a_short_run_of_rejections_near_break_even_does_not_stop_drafting():
     assert policy.acceptance(1)[0] < 0.3  # the estimate alone would have stopped
 
 
+def play_kinds(policy, rounds, offered, accept, cap=7, copies_known=True):
+    """``play`` with rounds the context offers a copy every ``offered``-th
+    round (the policy is told only when ``copies_known``); ``accept(n,
+    copy)``. Returns the lengths chosen per kind and the tokens per second."""
+    chosen, tokens, seconds = {True: [], False: []}, 0, 0.0
+    for i in range(rounds):
+        copy = i % offered == 0
+        told = copy and copies_known
+        n = policy.round_cap(cap, copy=told)
+        chosen[copy].append(n)
+        times = drafted_seconds(n) if n else (0.0, PLAIN_SECONDS)
+        stats = RoundStats(n, n, accept(n, copy), *times, copy_offered=told)
+        tokens, seconds = tokens + stats.accepted + 1, seconds + sum(times)
+        policy.observe(NO_PROPOSAL, stats)
+    return chosen, tokens / seconds
+
+
+def test_rounds_offered_a_copy_are_sized_by_copied_rounds():
+    """Copies always kept, the drafter's own guesses never: every round
+    offered a copy verifies the whole cap while the others decode plainly,
+    probing now and then (copied rounds do not postpone those probes)."""
+    policy = AdaptivePolicy()
+    accept = lambda n, copy: n if copy else 0  # noqa: E731
+    chosen, rate = play_kinds(policy, 300, 3, accept)
+    assert chosen[True][-50:] == [7] * 50
+    assert chosen[False][-100:].count(0) >= 95
+    text = chosen[False]
+    probes = sum(1 for i in range(1, len(text)) if text[i] == 1 and text[i - 1] == 0)
+    assert 3 <= probes <= 6  # after 8, 16, 32, 64 plain rounds
+    # A policy told nothing about copies drafts every round: slower.
+    _, blind = play_kinds(AdaptivePolicy(), 300, 3, accept, copies_known=False)
+    assert rate > 1.3 * blind, (rate, blind)
+
+
+def test_copies_that_stop_paying_go_plain_and_are_probed():
+    policy = AdaptivePolicy()
+    chosen, _ = play_kinds(policy, 400, 2, lambda n, copy: 0 if copy else n)
+    assert chosen[False][-20:] == [7] * 20
+    assert chosen[True][-100:].count(0) >= 95
+    assert policy.copies.interval == policy.probe_max
+
+
 def test_plain_rounds_cost_no_policy_arithmetic(monkeypatch):
     policy = AdaptivePolicy()
     play(policy, 50, lambda n: 0)
-    while policy.plain_left < 2:
+    while policy.text.plain_left < 2:
         play(policy, 1, lambda n: 0)
     calls = []
     original = policy.best_length
-    monkeypatch.setattr(policy, "best_length", lambda cap: calls.append(cap) or 0)
-    chosen = play(policy, policy.plain_left, lambda n: 0)
+    monkeypatch.setattr(
+        policy, "best_length", lambda cap, copy=False: calls.append(cap) or 0
+    )
+    chosen = play(policy, policy.text.plain_left, lambda n: 0)
     assert set(chosen) == {0} and not calls
     monkeypatch.setattr(policy, "best_length", original)
 
@@ -129,7 +175,7 @@ def test_costs_come_from_the_profile_until_measured():
     costs = policy.round_costs(7)
     assert costs[0] == pytest.approx(0.01)
     assert costs[7] == pytest.approx(0.05)
-    policy.successes, policy.failures = [1.0], [3.0]
+    policy.text.successes, policy.text.failures = [1.0], [3.0]
     assert policy.best_length(7) == 0
     assert AdaptivePolicy().best_length(7) > 0  # no profile: the optimistic start
 
@@ -200,8 +246,9 @@ def test_a_later_generation_remembers_what_was_measured():
     fresh = AdaptivePolicy()
     assert fresh.best_length(7) > 0  # the optimistic start
     fresh.remember(policy)
-    assert fresh.best_length(7) == 0 and fresh.plain_left == 0
-    assert fresh.interval == policy.interval > fresh.probe_after  # probes backed off
+    assert fresh.best_length(7) == 0 and fresh.text.plain_left == 0
+    assert fresh.text.interval == policy.text.interval > fresh.probe_after
+    assert fresh.copies.interval == fresh.probe_after  # no copy was offered
     assert list(fresh.plain_costs) == list(policy.plain_costs)
 
 
@@ -306,30 +353,49 @@ class Alternate:
     def __init__(self, pattern):
         self.pattern = itertools.cycle(pattern)
 
-    def round_cap(self, cap):
+    def round_cap(self, cap, copy=False):
         return cap if next(self.pattern) else 0
 
     def draft_length(self, proposal, cap):
         return cap
 
 
+@pytest.mark.parametrize("bias", [0.0, 1e3], ids=["own", "copying"])
 @pytest.mark.parametrize("pattern", [(0, 1), (1, 0), (0, 0, 1)], ids=str)
-def test_greedy_identical_with_plain_rounds_mixed_in(pair_factory, pattern):
+def test_greedy_identical_with_plain_rounds_mixed_in(pair_factory, pattern, bias):
     model, _, drafter, *_ = pair_factory(block_size=8)
     target = TargetAdapter(model, drafter.config.target_layer_ids)
     for prompt in ([1, 2, 3], [13, 5, 5, 21, 2, 17]):
         stats = GenerationStats()
-        tokens = speculative_generate_step(
-            mx.array(prompt),
-            target,
-            drafter,
-            num_draft=drafter.block_size,
-            max_tokens=64,
-            policy=Alternate(pattern),
-            stats=stats,
-        )
-        assert [t for t, _ in tokens] == greedy_target(model, prompt, 64)
+        with copy_bias(drafter, bias):
+            tokens = speculative_generate_step(
+                mx.array(prompt),
+                target,
+                drafter,
+                num_draft=drafter.block_size,
+                max_tokens=64,
+                policy=Alternate(pattern),
+                stats=stats,
+            )
+            tokens = [t for t, _ in tokens]
+        assert tokens == greedy_target(model, prompt, 64)
         assert {r.drafted == 0 for r in stats.rounds} == {True, False}
+
+
+def test_default_policy_with_copying_is_lossless_and_knows_the_copies(pair_factory):
+    model, tokenizer, drafter, *_ = pair_factory(block_size=8)
+    offered = []
+    for prompt in ([1, 2, 3, 4, 1, 2, 3], [13, 5, 5, 21, 2, 17]):
+        with copy_bias(drafter, 1e3):
+            tokens, stats = run_default(model, tokenizer, drafter, prompt, 64)
+        assert tokens == greedy_target(model, prompt, 64)
+        done = 1
+        for r in stats.rounds[:-1]:
+            copy = continuation([*prompt, *tokens[:done]], 1)[0] >= 0
+            assert r.copy_offered == copy
+            offered.append(copy)
+            done += r.accepted + 1
+    assert True in offered and False in offered
 
 
 @pytest.mark.parametrize("pattern", [(0,), (0, 1), (1, 0)], ids=str)
