@@ -484,17 +484,17 @@ class DSparkDrafter(nn.Module):
                     axis=1,
                 )
         elif params.greedy:
-            if copy is None:
-                chain = self._compiled_chain or self.greedy_chain
-                tokens, rows = chain(base, hidden, anchor)
-            else:
-                tokens, rows = self.greedy_chain(base, hidden, anchor, copy)
+            chain = self._compiled_chain or self.greedy_chain
+            tokens, rows = chain(
+                base, hidden, anchor, copy, self._copy_bias(copy, base.dtype)
+            )
         else:
             state = self._head_state(anchor)
             prev, following, tokens, rows = anchor, None, [], []
+            bias = self._copy_bias(copy, base.dtype)
             for k in range(n):
                 state, row, following = self._draft_row(
-                    base, hidden, k, state, prev, copy, following
+                    base, hidden, k, state, prev, copy, following, bias
                 )
                 prev = sample(self.to_target(row), params, keys[k])
                 tokens.append(prev)
@@ -528,6 +528,7 @@ class DSparkDrafter(nn.Module):
         prev: mx.array,
         copy: mx.array | None,
         following: mx.array | None,
+        copy_bias: mx.array | None,
     ) -> tuple[mx.array | None, mx.array, mx.array | None]:
         """Draft ``k``'s draft-vocabulary row after ``prev``: the backbone's
         logits, the sequential head's bias and the copy bias. ``following``
@@ -541,8 +542,14 @@ class DSparkDrafter(nn.Module):
                 copy[:, 0] >= 0 if k == 0 else following & (prev == copy[:, k - 1])
             )
             hit = following[:, None] & (self._draft_ids() == copy[:, k : k + 1])
-            row = row + hit.astype(row.dtype) * self.config.context_copy_bias
+            row = row + hit.astype(row.dtype) * copy_bias
         return state, row, following
+
+    def _copy_bias(self, copy: mx.array | None, dtype: mx.Dtype) -> mx.array | None:
+        """The copy bias as an array (a compiled chain must not freeze it)."""
+        if copy is None:
+            return None
+        return mx.array(self.config.context_copy_bias, dtype=dtype)
 
     def _draft_ids(self) -> mx.array:
         """The target id of every row of the drafter's output vocabulary."""
@@ -564,17 +571,19 @@ class DSparkDrafter(nn.Module):
         hidden: mx.array,
         anchor: mx.array,
         copy: mx.array | None = None,
+        copy_bias: mx.array | None = None,
     ) -> tuple[mx.array, mx.array]:
         """Greedy drafts through the sequential head: ``(tokens, corrected rows)``.
 
         ``base`` holds the backbone's draft-vocabulary logits ``[B, n, V]``; the
-        corrected rows stay in the draft vocabulary.
+        corrected rows stay in the draft vocabulary. ``copy`` and ``copy_bias``
+        as in :meth:`propose` (the bias a scalar array).
         """
         state = self._head_state(anchor)
         prev, following, tokens, rows = anchor, None, [], []
         for k in range(base.shape[1]):
             state, row, following = self._draft_row(
-                base, hidden, k, state, prev, copy, following
+                base, hidden, k, state, prev, copy, following, copy_bias
             )
             prev = self.draft_ids_to_target(row)
             tokens.append(prev)
@@ -583,7 +592,8 @@ class DSparkDrafter(nn.Module):
 
     def compile_greedy_chain(self, enabled: bool = True) -> None:
         """Run :meth:`greedy_chain` as one ``mx.compile``d graph (one trace per
-        draft length); the drafts are identical either way. The drafter's
+        draft length, with and without a copy); the drafts are identical either
+        way. The drafter's
         arrays are the graph's inputs, so later weight updates are seen."""
         compiled = mx.compile(self.greedy_chain, inputs=self.state)
         self._compiled_chain = compiled if enabled else None

@@ -1,5 +1,7 @@
 """The drafter against an independent numpy reading of the DSpark semantics."""
 
+import dataclasses
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -289,22 +291,34 @@ def test_top_logprob_is_the_largest_log_probability_of_each_draft_row(
 @pytest.mark.parametrize("reduced", [False, True], ids=["full-vocab", "reduced"])
 @pytest.mark.parametrize("head", ["vanilla", "gated", "rnn"])
 def test_compiled_and_plain_greedy_chains_give_identical_drafts(head, reduced):
+    """With and without copying, at copy biases changed after compiling."""
     drafter = head_drafter(head, reduced, 1)
     hidden, anchor = two_blocks(drafter)
-    outputs = {}
-    for compiled in (False, True):
-        drafter.compile_greedy_chain(compiled)
-        for n in (5, 2, 5, 1):
-            for rows in (slice(0, 2), slice(1, 2)):
-                outputs[compiled, n, rows.start] = drafter.propose(
-                    hidden[rows], anchor[rows], n, SamplingParams(), None
-                )
+    ids = np.array(drafter._draft_ids())
+    copy = mx.array(ids[[[3, 5, 7, 9, 11], [2, 2, 4, 4, 6]]])
+    original, outputs = drafter.config, {}
+    try:
+        for compiled in (False, True):
+            drafter.compile_greedy_chain(compiled)
+            for bias in (0.0, 2.0, 1e3):
+                drafter.config = dataclasses.replace(original, context_copy_bias=bias)
+                for n in (5, 2, 5, 1):
+                    for rows in (slice(0, 2), slice(1, 2)):
+                        outputs[compiled, bias, n, rows.start] = drafter.propose(
+                            hidden[rows], anchor[rows], n, SamplingParams(), None,
+                            copy=copy[rows],
+                        )  # fmt: skip
+    finally:
+        drafter.config = original
     assert drafter._compiled_chain is not None
-    for (_, n, start), proposal in outputs.items():
-        plain = outputs[False, n, start]
+    for (_, bias, n, start), proposal in outputs.items():
+        plain = outputs[False, bias, n, start]
         assert proposal.tokens.shape == (2 - start, n)
         assert mx.array_equal(proposal.tokens, plain.tokens)
         assert mx.array_equal(proposal.logits, plain.logits)
+    followed = outputs[True, 1e3, 5, 0].tokens
+    assert mx.array_equal(followed, copy)
+    assert not mx.array_equal(outputs[True, 0.0, 5, 0].tokens, followed)
 
 
 def test_loaded_drafters_run_the_compiled_chain(pair_factory):
