@@ -35,9 +35,12 @@ The choice is made before drafting from past rounds only, so it cannot
 depend on the drafts it admits: lossless like any fixed length. With an STS
 calibration, Algorithm 1 (:func:`~mlx_dspark.scheduler.schedule`) then cuts
 the drafted block on the calibrated prefix survival, priced with the same
-costs. Once the policy stops drafting it probes with one draft after
-``probe_after`` plain rounds, doubling the wait (up to ``probe_max``) after
-every rejected probe and going back to ``probe_after`` after a kept one, so a pair that starts badly and
+costs, except in rounds offered a copy: how far a copy holds depends on the
+text (code repeats far more than the calibration prompts), which the copies'
+own acceptance, measured on this text, already says. Once the policy stops
+drafting it probes with one draft after ``probe_after`` plain rounds,
+doubling the wait (up to ``probe_max``) after every rejected probe and going
+back to ``probe_after`` after a kept one, so a pair that starts badly and
 improves (a repetitive passage) drafts again.
 """
 
@@ -147,6 +150,7 @@ class AdaptivePolicy(_Recording):
     copies: RoundKind = field(default_factory=RoundKind)  # rounds offered one
     last_drafted: bool = False
     last_tokens: int = 1
+    _offered: bool = False  # the coming round is offered a copy
 
     def __post_init__(self) -> None:
         self.plain_costs = deque(self.plain_costs, maxlen=self.window)
@@ -268,6 +272,7 @@ class AdaptivePolicy(_Recording):
 
     def round_cap(self, cap: int, copy: bool = False) -> int:
         cap = guarded_cap(self.guard, self.telemetry, cap)
+        self._offered = copy
         n = self._decide(cap, copy) if cap > 0 else 0
         self.telemetry.n_current = n
         return n
@@ -301,7 +306,7 @@ class AdaptivePolicy(_Recording):
         return min(kind.choice, cap)
 
     def draft_length(self, proposal: Proposal, cap: int) -> int:
-        if self.calibration is None:
+        if self.calibration is None or self._offered:
             return cap
         survival = proposal_survival(proposal, cap, self.calibration)
         if survival is None:

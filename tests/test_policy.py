@@ -190,6 +190,11 @@ def test_calibration_cuts_inside_a_drafted_block():
     assert policy.draft_length(confident, 4) == 4
     assert policy.draft_length(doubtful, 4) == 1
     assert AdaptivePolicy().draft_length(doubtful, 4) == 4  # no calibration
+    # A round offered a copy verifies the length chosen for copies.
+    n = policy.round_cap(4, copy=True)
+    assert n > 1 and policy.draft_length(doubtful, n) == n
+    assert policy.round_cap(4) == 4
+    assert policy.draft_length(doubtful, 4) == 1
 
 
 def test_the_drafts_top_probability_cuts_where_the_calibration_weighs_it():
