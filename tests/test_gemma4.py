@@ -221,7 +221,8 @@ def test_decoding_with_rollbacks_equals_plain_decoding(name):
             got = tuple(s[..., :position, :] for s in ours.state[:2])
         for g, w in zip(got, want, strict=True):
             assert g.shape == w.shape
-            assert mx.allclose(g, w, atol=1e-5).item()
+            # Blocks of other lengths round differently (1.5e-5 on AMD EPYC).
+            assert mx.allclose(g, w, atol=1e-4).item()
 
 
 def test_window_cache_refuses_a_rollback_past_its_window():
