@@ -198,7 +198,9 @@ def test_decoding_with_rollbacks_equals_plain_decoding(name):
         adapter.rollback(cache, size - keep)
         for i in range(keep):
             want = plain_logits[position + i - len(prompt) + 1]
-            assert mx.allclose(logits[0, i], want, atol=1e-4).item()
+            # Blocks of other lengths round differently: float32 sums differ
+            # by CPU (over 1e-4 on AMD EPYC); a wrong rollback is off by O(1).
+            assert mx.allclose(logits[0, i], want, atol=1e-3).item()
         position += keep
     assert rejected > 5
     # Plain decoding to the same point.
@@ -221,8 +223,7 @@ def test_decoding_with_rollbacks_equals_plain_decoding(name):
             got = tuple(s[..., :position, :] for s in ours.state[:2])
         for g, w in zip(got, want, strict=True):
             assert g.shape == w.shape
-            # Blocks of other lengths round differently (1.5e-5 on AMD EPYC).
-            assert mx.allclose(g, w, atol=1e-4).item()
+            assert mx.allclose(g, w, atol=1e-3).item()
 
 
 def test_window_cache_refuses_a_rollback_past_its_window():
