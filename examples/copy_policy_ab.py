@@ -1,0 +1,123 @@
+"""Time the default policy against the same policy told nothing about copies,
+side by side with SmolLM2 alone, on the held-out prompts of
+``eval_default_pair.py`` (greedy, tok/s with prefill)::
+
+    python examples/copy_policy_ab.py --prompts 8 --max-tokens 96
+
+"Blind" is the policy the default pair ran before rounds offered a copy were
+sized apart: one kind of round, the calibrated cut in every round. The three
+run prompt by prompt in one process, alternating their order, each policy
+keeping what it measured from one prompt to the next as the default policy
+does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+# isort: off
+import mlx_dspark  # first: it loads a system OpenBLAS before mlx.core
+
+# isort: on
+import mlx.core as mx
+from eval_default_pair import held_out_sets
+from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
+from mlx_lm.sample_utils import make_sampler
+
+from mlx_dspark.loop import speculative_generate_step
+from mlx_dspark.policies import resolve_policy
+from mlx_dspark.settings import build_settings
+from mlx_dspark.target import TargetAdapter
+
+
+@dataclasses.dataclass
+class Blind:
+    """A policy that is never told whether a round is offered a copy."""
+
+    inner: object
+
+    def round_cap(self, cap, copy=False):
+        return self.inner.round_cap(cap, copy=False)
+
+    def draft_length(self, proposal, cap):
+        return self.inner.draft_length(proposal, cap)
+
+    def observe(self, proposal, round_stats):
+        blind = dataclasses.replace(round_stats, copy_offered=False)
+        self.inner.observe(proposal, blind)
+
+
+def pair_tokens(model, tokenizer, drafter, policy, prompt, max_tokens) -> int:
+    target = TargetAdapter(model, drafter.config.target_layer_ids)
+    steps = speculative_generate_step(
+        mx.array(prompt),
+        target,
+        drafter,
+        num_draft=drafter.block_size,
+        max_tokens=max_tokens,
+        policy=policy,
+    )
+    count = 0
+    for token, _ in steps:
+        count += 1
+        if token in tokenizer.eos_token_ids:
+            break
+    return count
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per set")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--prefix-tokens", type=int, default=64)
+    args = parser.parse_args()
+    model, tokenizer, drafter = mlx_dspark.load()
+    settings = build_settings(drafter.block_size)
+    sets = held_out_sets(tokenizer, args.prompts, args.prefix_tokens)
+    memory = {"sized apart": None, "blind": None}
+    alone = make_sampler(0.0)
+    # warm up both paths (the default policy measures this machine once)
+    warm = sets["chat"][0]
+    list(mlx_lm_stream_generate(model, tokenizer, warm, max_tokens=8, sampler=alone))
+    policy = resolve_policy(model, drafter, settings).policy
+    pair_tokens(model, tokenizer, drafter, policy, warm, 8)
+    for name, prompts in sets.items():
+        tokens = {"alone": 0, **dict.fromkeys(memory, 0)}
+        seconds = dict.fromkeys(tokens, 0.0)
+        for i, prompt in enumerate(prompts):
+            order = list(tokens) if i % 2 else list(reversed(tokens))
+            for variant in order:
+                tic = time.perf_counter()
+                if variant == "alone":
+                    steps = mlx_lm_stream_generate(
+                        model,
+                        tokenizer,
+                        prompt,
+                        max_tokens=args.max_tokens,
+                        sampler=alone,
+                    )
+                    count = len(list(steps))
+                else:
+                    drafter.policy_memory = memory[variant]
+                    policy = resolve_policy(model, drafter, settings).policy
+                    memory[variant] = policy
+                    if variant == "blind":
+                        policy = Blind(policy)
+                    count = pair_tokens(
+                        model, tokenizer, drafter, policy, prompt, args.max_tokens
+                    )
+                seconds[variant] += time.perf_counter() - tic
+                tokens[variant] += count
+        rate = {v: tokens[v] / seconds[v] for v in tokens}
+        print(
+            f"{name:5s}: SmolLM2 alone {rate['alone']:.1f} tok/s, copied rounds "
+            f"sized apart {rate['sized apart'] / rate['alone']:.2f}x, blind "
+            f"{rate['blind'] / rate['alone']:.2f}x",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
