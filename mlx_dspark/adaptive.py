@@ -172,10 +172,10 @@ class AdaptivePolicy(_Recording):
 
     def _counts(self, k: int, copy: bool = False) -> tuple[float, float, float]:
         """Position ``k``'s decayed kept and rejected counts and prior weight."""
-        counts = self.copies if copy else self.text
-        s = counts.successes[k] if k < len(counts.successes) else 0.0
-        f = counts.failures[k] if k < len(counts.failures) else 0.0
-        seen = counts.observations[k] if k < len(counts.observations) else 0
+        kind = self.copies if copy else self.text
+        s = kind.successes[k] if k < len(kind.successes) else 0.0
+        f = kind.failures[k] if k < len(kind.failures) else 0.0
+        seen = kind.observations[k] if k < len(kind.observations) else 0
         return s, f, self.prior_strength * self.decay**seen  # the prior fades too
 
     def acceptance(self, cap: int, copy: bool = False) -> list[float]:

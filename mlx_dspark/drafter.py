@@ -593,8 +593,8 @@ class DSparkDrafter(nn.Module):
     def compile_greedy_chain(self, enabled: bool = True) -> None:
         """Run :meth:`greedy_chain` as one ``mx.compile``d graph (one trace per
         draft length, with and without a copy); the drafts are identical either
-        way. The drafter's
-        arrays are the graph's inputs, so later weight updates are seen."""
+        way. The drafter's arrays are the graph's inputs, so later weight
+        updates are seen."""
         compiled = mx.compile(self.greedy_chain, inputs=self.state)
         self._compiled_chain = compiled if enabled else None
 
