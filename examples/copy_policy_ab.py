@@ -1,12 +1,14 @@
-"""Time the default policy against the same policy told nothing about copies,
-side by side with SmolLM2 alone, on the held-out prompts of
-``eval_default_pair.py`` (greedy, tok/s with prefill)::
+"""Time the default policy against a variant of it, side by side with SmolLM2
+alone, on the held-out prompts of ``eval_default_pair.py`` (greedy, tok/s with
+prefill)::
 
-    python examples/copy_policy_ab.py --prompts 8 --max-tokens 96
+    python examples/copy_policy_ab.py --prompts 8 --max-tokens 96 [--against blind]
 
-"Blind" is the policy the default pair ran before rounds offered a copy were
-sized apart: one kind of round, the calibrated cut in every round. The three
-run prompt by prompt in one process, alternating their order, each policy
+The variants stop copied rounds at the drafter's block (7 drafts) instead of
+going on with the copy's own tokens up to 15; ``blind`` is besides never told
+whether a round is offered a copy (one kind of round, the calibrated cut in
+every round: the policy before rounds offered a copy were sized apart).
+They run prompt by prompt in one process, alternating their order, each policy
 keeping what it measured from one prompt to the next as the default policy
 does.
 """
@@ -49,7 +51,9 @@ class Blind:
         self.inner.observe(proposal, blind)
 
 
-def pair_tokens(model, tokenizer, drafter, policy, prompt, max_tokens) -> int:
+def pair_tokens(
+    model, tokenizer, drafter, policy, prompt, max_tokens, copy_draft
+) -> int:
     target = TargetAdapter(model, drafter.config.target_layer_ids)
     steps = speculative_generate_step(
         mx.array(prompt),
@@ -58,6 +62,7 @@ def pair_tokens(model, tokenizer, drafter, policy, prompt, max_tokens) -> int:
         num_draft=drafter.block_size,
         max_tokens=max_tokens,
         policy=policy,
+        copy_draft=copy_draft,
     )
     count = 0
     for token, _ in steps:
@@ -72,17 +77,20 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8, help="prompts per set")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--prefix-tokens", type=int, default=64)
+    parser.add_argument("--against", choices=("block", "blind"), default="block")
     args = parser.parse_args()
     model, tokenizer, drafter = mlx_dspark.load()
     settings = build_settings(drafter.block_size)
     sets = held_out_sets(tokenizer, args.prompts, args.prefix_tokens)
-    memory = {"sized apart": None, "blind": None}
+    other = args.against
+    copy_draft = {"default": settings.copy_draft, other: None}  # None: the block
+    memory = {"default": None, other: None}
     alone = make_sampler(0.0)
     # warm up both paths (the default policy measures this machine once)
     warm = sets["chat"][0]
     list(mlx_lm_stream_generate(model, tokenizer, warm, max_tokens=8, sampler=alone))
     policy = resolve_policy(model, drafter, settings).policy
-    pair_tokens(model, tokenizer, drafter, policy, warm, 8)
+    pair_tokens(model, tokenizer, drafter, policy, warm, 8, settings.copy_draft)
     for name, prompts in sets.items():
         tokens = {"alone": 0, **dict.fromkeys(memory, 0)}
         seconds = dict.fromkeys(tokens, 0.0)
@@ -106,15 +114,21 @@ def main() -> None:
                     if variant == "blind":
                         policy = Blind(policy)
                     count = pair_tokens(
-                        model, tokenizer, drafter, policy, prompt, args.max_tokens
+                        model,
+                        tokenizer,
+                        drafter,
+                        policy,
+                        prompt,
+                        args.max_tokens,
+                        copy_draft[variant],
                     )
                 seconds[variant] += time.perf_counter() - tic
                 tokens[variant] += count
         rate = {v: tokens[v] / seconds[v] for v in tokens}
         print(
-            f"{name:5s}: SmolLM2 alone {rate['alone']:.1f} tok/s, copied rounds "
-            f"sized apart {rate['sized apart'] / rate['alone']:.2f}x, blind "
-            f"{rate['blind'] / rate['alone']:.2f}x",
+            f"{name:5s}: SmolLM2 alone {rate['alone']:.1f} tok/s, default "
+            f"{rate['default'] / rate['alone']:.2f}x, {other} "
+            f"{rate[other] / rate['alone']:.2f}x",
             flush=True,
         )
 

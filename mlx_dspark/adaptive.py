@@ -7,7 +7,8 @@ Predicted tokens/s for ``n`` drafts is ``E(n) / cost(n)``:
   acceptance ``p_k = P(draft k kept | drafts before it kept)``, each a Beta
   posterior whose counts decay by ``decay`` per observation (so the estimate
   follows the text; the prior's weight decays alike) and whose prior mean is
-  the acceptance the pair's calibration measured, or without one position
+  the acceptance the pair's calibration measured, or without one (and for
+  copies, which the calibration's prompts say little about) position
   ``k-1``'s estimate (an unseen deeper position is assumed as good as the one
   before it, which is what lets a pair that drafts well reach long rounds);
   a later generation with the same drafter in the same process starts from
@@ -29,7 +30,9 @@ rounds the context offers a copy and rounds it does not are two kinds, each
 with its own acceptance, chosen length, plain runs and probes (costs are
 shared): copied runs are kept far longer than the drafter's own guesses, and
 averaging the two would cut the one and overdraw the other. Whether there is
-a copy is known before drafting.
+a copy is known before drafting. Rounds offered a copy may be longer than the
+drafter's block (the loop's ``copy_draft``): past it they verify the copy's
+own tokens.
 
 The choice is made before drafting from past rounds only, so it cannot
 depend on the drafts it admits: lossless like any fixed length. With an STS
@@ -182,9 +185,10 @@ class AdaptivePolicy(_Recording):
         """Conditional acceptance estimates p_1..p_cap (of rounds offered a
         copy when ``copy``)."""
         rates, prior = [], 0.5
+        measured = None if copy else self.prior
         for k in range(cap):
-            if self.prior is not None and k < len(self.prior):
-                prior = self.prior[k]
+            if measured is not None and k < len(measured):
+                prior = measured[k]
             s, f, weight = self._counts(k, copy)
             prior = (weight * prior + s) / (weight + s + f)
             rates.append(prior)

@@ -174,6 +174,7 @@ def stream_generate(
             seed=seed,
             stats=stats,
             prefill_step_size=prefill_step_size,
+            copy_draft=settings.copy_draft,
         )
 
     detokenizer = tokenizer.detokenizer

@@ -172,11 +172,16 @@ def speculative_generate_step(
     seed: int | None = None,
     stats: GenerationStats | None = None,
     prefill_step_size: int = 512,
+    copy_draft: int | None = None,
 ) -> Iterator[tuple[int, bool]]:
     """Yield ``(token, from_draft)`` until ``max_tokens`` tokens are produced.
 
     ``num_draft`` bounds every round's drafts (the setup's
-    :attr:`~mlx_dspark.settings.SpeculationSettings.num_draft`).
+    :attr:`~mlx_dspark.settings.SpeculationSettings.num_draft`); with a
+    drafter that copies from the context, ``copy_draft`` (default
+    ``num_draft``) bounds those of rounds offered a copy, whose drafts past
+    ``num_draft`` are the copy's own tokens (:meth:`ChainMode.propose
+    <mlx_dspark.modes.ChainMode.propose>`; chains only).
 
     Stopping on end-of-sequence tokens is the caller's job; rounds may commit
     past it, which does not change the tokens before it.
@@ -203,6 +208,7 @@ def speculative_generate_step(
     no_proposal = Proposal(mx.zeros((1, 0), mx.int32), mx.zeros((1, 0, 1)))
     unseen = [context]  # target features the drafter has not ingested yet
     copying = drafter.config.context_copy_bias > 0
+    copy_draft = num_draft if copy_draft is None else copy_draft
     history = [*prompt.tolist(), anchor] if copying else []
     ahead = None  # a plain step already launched for the coming round
 
@@ -211,10 +217,11 @@ def speculative_generate_step(
 
     def lookup() -> np.ndarray | None:
         """The coming round's copy from the context (None without copying)."""
-        return continuation(history, num_draft) if copying else None
+        return continuation(history, copy_draft) if copying else None
 
     def next_cap(copy: np.ndarray | None) -> int:
-        cap = min(num_draft, max_tokens - produced - 1)
+        limit = copy_draft if offers(copy) else num_draft
+        cap = min(limit, max_tokens - produced - 1)
         if round_cap is not None:
             cap = max(0, min(cap, int(round_cap(cap, copy=offers(copy)))))
         return cap
@@ -271,6 +278,8 @@ def speculative_generate_step(
             round_key,
             None if copy is None else mx.array(copy[:cap])[None],
         )
+        if cap > num_draft:  # past the block: as far as the drafts followed the copy
+            cap = proposal.tokens.shape[1]
         n = policy.draft_length(proposal, cap)
         drafted_at = time.perf_counter()
         result, drafts, committed = mode.verify(

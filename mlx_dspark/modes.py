@@ -60,7 +60,7 @@ premise ``x_i ~ q_i``; the test suite checks that this variant is caught.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import mlx.core as mx
@@ -114,12 +114,18 @@ class ChainMode:
         key: mx.array,
         copy: mx.array | None = None,
     ) -> Proposal:
+        """The drafter's chain of ``cap`` drafts, at most its block. Past the
+        block a round offered a copy goes on with the copy's own tokens when
+        every draft followed it (:func:`follow_copy`), else stops there."""
+        block = min(cap, hidden.shape[1])
         proposal = drafter.propose(
-            hidden, anchor, cap, params, None if params.greedy else key, copy=copy
+            hidden, anchor, block, params, None if params.greedy else key, copy=copy
         )
         # Greedy acceptance never reads the draft logits: leave them lazy.
         logits = () if params.greedy else (proposal.logits,)
         mx.eval(proposal.tokens, proposal.confidence, *logits)
+        if copy is not None and cap > block:
+            proposal = follow_copy(proposal, copy[:, :cap])
         return proposal
 
     def verify(
@@ -139,6 +145,31 @@ class ChainMode:
         return settle_chain(
             target, cache, drafts, proposal, logits, features, params, rng
         )
+
+
+def follow_copy(proposal: Proposal, copy: mx.array) -> Proposal:
+    """``proposal`` extended with the copy's tokens past its drafts, when its
+    drafts are the copy's first ones (else unchanged).
+
+    Each added draft is drawn from a point mass on the copied token: its row
+    is 0 there and -inf elsewhere, and rejection sampling against it keeps
+    the token with the target's probability of it and otherwise draws from
+    the target's distribution without it, so sampled output stays exact.
+    Whether drafts are added depends on the drafts before them only. Their
+    confidences and top log-probabilities are not defined: those arrays keep
+    the drafter's length.
+    """
+    n = proposal.tokens.shape[1]
+    if copy.shape[1] <= n or not mx.array_equal(proposal.tokens, copy[:, :n]):
+        return proposal
+    more = copy[:, n:]
+    vocab = mx.arange(proposal.logits.shape[-1])
+    rows = mx.where(vocab == more[..., None], 0.0, -mx.inf)
+    return replace(
+        proposal,
+        tokens=mx.concatenate([proposal.tokens, more], axis=1),
+        logits=mx.concatenate([proposal.logits, rows.astype(proposal.logits.dtype)], 1),
+    )
 
 
 def settle_chain(

@@ -281,7 +281,8 @@ def resolve_policy(
     if settings.policy == "adaptive":
         from .adaptive import AdaptivePolicy
 
-        guard = MemoryGuard.from_settings(knobs, settings.num_draft, memory_source)
+        longest = settings.copy_draft or settings.num_draft
+        guard = MemoryGuard.from_settings(knobs, longest, memory_source)
         cached = load_profile(model, drafter)
         policy = AdaptivePolicy(
             calibration,

@@ -22,6 +22,10 @@ from .scheduler import ENV_VARS, SchedulerSettings
 # What decides each round's draft length (see :func:`build_settings`).
 SCHEDULERS = ("off", "threshold", "auto", "adaptive")
 PROFILES = ("auto", "refresh")
+# Drafts a round offered a copy from the context may verify under the default
+# policy: past the drafter's block they are the copy's own tokens, and greedy
+# small models repeat runs far longer than a block (see ``lookup.py``).
+COPY_DRAFTS = 15
 
 # How error messages and notes name each argument (the API's names); the
 # command line passes its flags instead.
@@ -45,12 +49,16 @@ class SpeculationSettings:
     tokens/s). ``tree_budget``: nodes of a drafted tree per round, 0 for a
     chain. ``profile``: ``auto`` (use the cached cost profile) or ``refresh``.
     ``scheduler``: the scheduler and memory-guard knobs, environment applied.
+    ``copy_draft``: drafts at most in a round the context offers a copy
+    (None: ``num_draft``); more than ``num_draft`` only for the adaptive
+    policy drafting chains with no ``num_draft`` given.
     ``notes``: one-line remarks for the user; the library never prints them.
     """
 
     num_draft: int
     policy: str
     tree_budget: int = 0
+    copy_draft: int | None = None
     profile: str = "auto"
     scheduler: SchedulerSettings = SchedulerSettings()
     notes: tuple[str, ...] = ()
@@ -172,10 +180,12 @@ def build_settings(
             f"{names['num_draft']} 0: every round decodes with the target alone "
             "(no drafts)."
         )
+    long_copies = policy == "adaptive" and num_draft is None and not tree_budget
     return SpeculationSettings(
         num_draft=cap,
         policy=policy,
         tree_budget=int(tree_budget),
+        copy_draft=max(cap, COPY_DRAFTS) if long_copies and cap else None,
         profile=profile,
         scheduler=knobs,
         notes=tuple(notes),

@@ -18,8 +18,10 @@ from test_sampling import (
     sample_first_three,
 )
 
+from mlx_dspark.drafter import Proposal
 from mlx_dspark.lookup import continuation
-from mlx_dspark.modes import ChainMode
+from mlx_dspark.modes import ChainMode, follow_copy
+from mlx_dspark.policies import MonitoredPolicy
 from mlx_dspark.sampling import SamplingParams
 
 
@@ -203,3 +205,68 @@ def test_sampling_exact_with_context_copying(pair_factory, params):
             assert chi_square(wrong, joint, SEEDS)[0] > chi_square_critical(dof)
     finally:
         with_copy_bias(drafter, 0.0)
+
+
+def test_follow_copy_goes_on_with_the_copy_only_where_the_drafts_followed_it():
+    drafts = Proposal(mx.array([[5, 7]]), mx.zeros((1, 2, 12)))
+    longer = follow_copy(drafts, mx.array([[5, 7, 9, 4]]))
+    assert longer.tokens.tolist() == [[5, 7, 9, 4]]
+    rows = np.array(longer.logits[0])
+    assert (rows[:2] == 0).all()
+    for row, token in zip(rows[2:], (9, 4), strict=True):
+        assert row[token] == 0 and np.isneginf(np.delete(row, token)).all()
+    for copy in ([[5, 8, 9, 4]], [[6, 7, 9, 4]], [[5, 7]]):
+        assert follow_copy(drafts, mx.array(copy)) is drafts
+
+
+class OneDraftThenTheCopy(ChainMode):
+    """A drafter block of one draft: a round offered a copy goes on past it
+    with the copy's own tokens."""
+
+    def propose(self, drafter, hidden, anchor, cap, params, key, copy=None):
+        return super().propose(drafter, hidden[:, :1], anchor, cap, params, key, copy)
+
+
+class CopiesAgainstWrongRows(OneDraftThenTheCopy):
+    """A wrong proposal: the copied drafts verified against uniform rows."""
+
+    def propose(self, drafter, hidden, anchor, cap, params, key, copy=None):
+        proposal = super().propose(drafter, hidden, anchor, cap, params, key, copy)
+        rows = proposal.logits
+        proposal.logits = mx.concatenate([rows[:, :1], mx.zeros_like(rows[:, 1:])], 1)
+        return proposal
+
+
+def repeated_walk(model, length=10):
+    """The target's greedy walk from token 3, then its first two tokens again:
+    the context offers the rest of the walk as a copy, which the target
+    (sampled) often follows."""
+    walk = [3]
+    while len(walk) < length:
+        walk.append(int(mx.argmax(model(mx.array([walk]))[0, -1]).item()))
+    return walk + walk[:2]
+
+
+@pytest.mark.parametrize("params", CONFIGS, ids=["t0.7-p0.9-k8", "t1"])
+def test_sampling_exact_with_copies_past_the_block(pair_factory, params):
+    model, _, drafter, *_ = pair_factory(
+        markov_head_type="vanilla", sharpness=0.6, block_size=4
+    )
+    prompt = repeated_walk(model)
+    joint = exact_joint(model, params, prompt)
+    loop = {"max_tokens": 6, "num_draft": 1, "copy_draft": 4, "prompt": prompt}
+    whole = MonitoredPolicy  # verifies every draft proposed
+    with copy_bias(drafter, 40.0):
+        samples, stats = sample_first_three(
+            model, drafter, params, OneDraftThenTheCopy(), policy=whole, **loop
+        )
+        stat, dof = chi_square(samples, joint, SEEDS)
+        assert dof >= 5
+        assert stat < chi_square_critical(dof), (stat, dof)
+        past = [r.accepted for r in stats.rounds if r.verified > 1]
+        assert len(past) > SEEDS // 4 and 0 < np.mean(past) and max(past) > 1
+        if params.temperature == 1.0:
+            wrong, _ = sample_first_three(
+                model, drafter, params, CopiesAgainstWrongRows(), policy=whole, **loop
+            )
+            assert chi_square(wrong, joint, SEEDS)[0] > chi_square_critical(dof)

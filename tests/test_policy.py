@@ -6,7 +6,7 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
-from test_lookup import copy_bias
+from test_lookup import copy_bias, repeated_walk
 from test_sampling import (
     CONFIGS,
     PROMPT,
@@ -26,6 +26,7 @@ from mlx_dspark.lookup import continuation
 from mlx_dspark.loop import GenerationStats, RoundStats, speculative_generate_step
 from mlx_dspark.sampling import SamplingParams
 from mlx_dspark.scheduler import StepRateCurve
+from mlx_dspark.settings import COPY_DRAFTS
 from mlx_dspark.target import TargetAdapter
 
 NO_PROPOSAL = Proposal(mx.zeros((1, 0), mx.int32), mx.zeros((1, 0, 1)))
@@ -389,8 +390,12 @@ def test_greedy_identical_with_plain_rounds_mixed_in(pair_factory, pattern, bias
 
 def test_default_policy_with_copying_is_lossless_and_knows_the_copies(pair_factory):
     model, tokenizer, drafter, *_ = pair_factory(block_size=8)
-    offered = []
-    for prompt in ([1, 2, 3, 4, 1, 2, 3], [13, 5, 5, 21, 2, 17]):
+    offered, longest = [], 0
+    for prompt in (
+        [1, 2, 3, 4, 1, 2, 3],
+        [13, 5, 5, 21, 2, 17],
+        repeated_walk(model, 32),
+    ):
         with copy_bias(drafter, 1e3):
             tokens, stats = run_default(model, tokenizer, drafter, prompt, 64)
         assert tokens == greedy_target(model, prompt, 64)
@@ -398,9 +403,13 @@ def test_default_policy_with_copying_is_lossless_and_knows_the_copies(pair_facto
         for r in stats.rounds[:-1]:
             copy = continuation([*prompt, *tokens[:done]], 1)[0] >= 0
             assert r.copy_offered == copy
+            assert r.verified <= (COPY_DRAFTS if copy else drafter.block_size)
             offered.append(copy)
+            longest = max(longest, r.accepted)
             done += r.accepted + 1
     assert True in offered and False in offered
+    # Copied rounds kept drafts past the drafter's block (the copy's own tokens).
+    assert longest > drafter.block_size
 
 
 @pytest.mark.parametrize("pattern", [(0,), (0, 1), (1, 0)], ids=str)
@@ -474,3 +483,14 @@ def test_the_summary_names_the_cached_cost_profile(useless_pair, tmp_path, monke
     path.parent.mkdir(parents=True)
     curve.save(path)
     assert f"Cost profile: {path}" in summary()
+
+
+def test_copies_start_from_their_own_prior_not_the_calibrations():
+    """The calibration measured the drafter's own drafts on its prompts: deep
+    positions it rarely kept say nothing about how far a copy holds."""
+    policy = AdaptivePolicy(prior=[0.3, 0.1, 0.05])
+    assert policy.acceptance(5) == pytest.approx([0.3, 0.1, 0.05, 0.05, 0.05])
+    assert policy.acceptance(5, copy=True) == pytest.approx([0.5] * 5)
+    for _ in range(20):
+        policy.observe(NO_PROPOSAL, RoundStats(9, 9, 9, copy_offered=True))
+    assert min(policy.acceptance(9, copy=True)) > 0.9

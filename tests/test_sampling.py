@@ -65,23 +65,24 @@ def chi_square(samples: Counter, joint: dict, n: int) -> tuple[float, int]:
 
 
 def sample_first_three(
-    model, drafter, params, mode=None, seeds=SEEDS, policy=None, prompt=PROMPT
+    model, drafter, params, mode=None, seeds=SEEDS, policy=None, prompt=PROMPT, **loop
 ):
-    """``policy``, when given, makes each seed's draft policy."""
+    """``policy``, when given, makes each seed's draft policy; ``loop`` holds
+    other arguments of the generation loop."""
     target = TargetAdapter(model, drafter.config.target_layer_ids)
     samples, stats = Counter(), GenerationStats()
+    loop = {"num_draft": drafter.block_size, "max_tokens": 3, **loop}
     for seed in range(seeds):
         tokens = speculative_generate_step(
             mx.array(prompt),
             target,
             drafter,
-            num_draft=drafter.block_size,
             params=params,
-            max_tokens=3,
             seed=seed,
             mode=mode,
             stats=stats,
             policy=None if policy is None else policy(),
+            **loop,
         )
         samples[tuple(t for t, _ in itertools.islice(tokens, 3))] += 1
     return samples, stats

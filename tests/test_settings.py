@@ -10,7 +10,7 @@ from mlx_dspark.calibrate import calibration_settings
 from mlx_dspark.errors import DSparkError
 from mlx_dspark.modes import ChainMode, TreeMode
 from mlx_dspark.scheduler import SchedulerSettings
-from mlx_dspark.settings import build_settings
+from mlx_dspark.settings import COPY_DRAFTS, build_settings
 
 THRESHOLD_VAR = "DSPARK_CONFIDENCE_THRESHOLD"
 
@@ -45,6 +45,14 @@ def test_defaults():
     assert build_settings(7, env=off).policy == "off"
     zero = build_settings(7, 0, env={})
     assert zero.num_draft == 0 and "target alone" in zero.notes[0]
+    # Rounds offered a copy verify past the block only under the default
+    # policy drafting chains, with no draft count given.
+    assert s.copy_draft == COPY_DRAFTS > 7
+    assert build_settings(20, env={}).copy_draft == 20
+    assert build_settings(7, 7, env={}).copy_draft is None
+    assert build_settings(7, scheduler="auto", env={}).copy_draft is None
+    assert build_settings(7, tree_budget=6, env={}).copy_draft is None
+    assert zero.copy_draft is None
     # The frozen setup cannot change after the decision.
     with pytest.raises(AttributeError):
         zero.num_draft = 3
