@@ -220,10 +220,10 @@ def speculative_generate_step(
         return continuation(history, copy_draft) if copying else None
 
     def next_cap(copy: np.ndarray | None) -> int:
-        limit = copy_draft if offers(copy) else num_draft
-        cap = min(limit, max_tokens - produced - 1)
+        offered = offers(copy)
+        cap = min(copy_draft if offered else num_draft, max_tokens - produced - 1)
         if round_cap is not None:
-            cap = max(0, min(cap, int(round_cap(cap, copy=offers(copy)))))
+            cap = max(0, min(cap, int(round_cap(cap, copy=offered))))
         return cap
 
     copy = lookup()
