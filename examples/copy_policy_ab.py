@@ -3,11 +3,13 @@ alone, on the held-out prompts of ``eval_default_pair.py`` (greedy, tok/s with
 prefill)::
 
     python examples/copy_policy_ab.py --prompts 8 --max-tokens 96 [--against blind]
+    python examples/copy_policy_ab.py --against calibration --calibration FILE
 
 The variants stop copied rounds at the drafter's block (7 drafts) instead of
 going on with the copy's own tokens up to 15; ``blind`` is besides never told
 whether a round is offered a copy (one kind of round, the calibrated cut in
-every round: the policy before rounds offered a copy were sized apart).
+every round: the policy before rounds offered a copy were sized apart);
+``calibration`` is the default policy reading another calibration file.
 They run prompt by prompt in one process, alternating their order, each policy
 keeping what it measured from one prompt to the next as the default policy
 does.
@@ -28,6 +30,7 @@ from eval_default_pair import held_out_sets
 from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 from mlx_lm.sample_utils import make_sampler
 
+from mlx_dspark.calibration import CalibrationResult
 from mlx_dspark.loop import speculative_generate_step
 from mlx_dspark.policies import resolve_policy
 from mlx_dspark.settings import build_settings
@@ -77,13 +80,22 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8, help="prompts per set")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--prefix-tokens", type=int, default=64)
-    parser.add_argument("--against", choices=("block", "blind"), default="block")
+    parser.add_argument(
+        "--against", choices=("block", "blind", "calibration"), default="block"
+    )
+    parser.add_argument("--calibration", help="the other calibration file")
     args = parser.parse_args()
+    if (args.against == "calibration") != (args.calibration is not None):
+        parser.error("--calibration FILE goes with --against calibration")
     model, tokenizer, drafter = mlx_dspark.load()
     settings = build_settings(drafter.block_size)
     sets = held_out_sets(tokenizer, args.prompts, args.prefix_tokens)
     other = args.against
     copy_draft = {"default": settings.copy_draft, other: None}  # None: the block
+    calibration = None
+    if args.calibration:
+        copy_draft[other] = settings.copy_draft
+        calibration = CalibrationResult.load(args.calibration)
     memory = {"default": None, other: None}
     alone = make_sampler(0.0)
     # warm up both paths (the default policy measures this machine once)
@@ -113,6 +125,8 @@ def main() -> None:
                     memory[variant] = policy
                     if variant == "blind":
                         policy = Blind(policy)
+                    elif variant == "calibration":
+                        policy.calibration = calibration
                     count = pair_tokens(
                         model,
                         tokenizer,

@@ -195,10 +195,10 @@ VALIDATION_CHAT = (
     "What should I do if my houseplant's leaves turn yellow?",
 )
 VALIDATION_CODE_CHARS, VALIDATION_DOC_CHARS = 40_000, 20_000
-# 40 rounds from each of the 108 prompts: STS fitted on two thirds of them and
-# reported on the others (``mlx_dspark.calibrate``). On fewer rounds the ECE
-# is mostly sampling noise: on 408 held-out rounds a perfectly calibrated head
-# would show a position-1 ECE of about 0.06, on 1,440 about 0.03.
+# 40 rounds from each of the 108 prompts: fitted on all of them and reported
+# cross-validated by prompt (``mlx_dspark.calibrate``). On fewer rounds the
+# ECE is mostly sampling noise: a perfectly calibrated head would show a
+# position-1 ECE of about 0.06 on 408 rounds, 0.03 on 1,440, 0.018 on 4,320.
 CALIBRATE_FLAGS = ["--rounds", "4320", "--max-tokens", "128"]
 # The logit bias on tokens copied from the context (``mlx_dspark.lookup``),
 # written into the last stage's config before it is calibrated: the best of

@@ -9,9 +9,9 @@ prompts, records per position the raw confidence logit, the draft's top
 log-probability and whether the draft survived, fits per position a
 temperature, an offset and a weight on the top log-probability (left to
 right, :func:`~mlx_dspark.calibration.fit_sts_offset`), reports ECE and ROC-AUC
-before/after, and stores the result beside the drafter
-(``<drafter>/dspark_calibration.json``) or, when that directory is not
-writable, in the user cache keyed by the pair. :func:`find_calibration` (used
+before/after, cross-validated by prompt (:func:`fit_records`), and stores the
+result beside the drafter (``<drafter>/dspark_calibration.json``) or, when
+that directory is not writable, in the user cache keyed by the pair. :func:`find_calibration` (used
 by the generation path) looks in both places.
 """
 
@@ -30,6 +30,7 @@ import numpy as np
 from .calibration import (
     CalibrationRecord,
     CalibrationResult,
+    apply_sts,
     evaluate,
     fit_sts,
     fit_sts_offset,
@@ -202,40 +203,59 @@ def collect_records(
 def fit_records(
     records: list[CalibrationRecord], groups: list[int], n_positions: int
 ) -> CalibrationResult:
-    """Fit the calibration on two thirds of the prompts (by index) and report
-    before/after on the rounds of the other third, prompts the fit never saw;
-    on all rounds when there are fewer than 40 or fewer than 3 prompts. With
-    the drafts' top log-probabilities recorded the fit is STS with an offset
-    and a weight on them (:func:`fit_sts_offset`), and on the copy flags of a
-    drafter that copies from the context; else plain STS."""
+    """Fit the calibration on all rounds and report ECE and ROC-AUC
+    cross-validated by prompt: the prompts fall in three folds (by index),
+    each fold's rounds are scored by the fit on the other two, and the
+    metrics are read over all rounds, each scored by a fit that never saw its
+    prompt. With fewer than 40 rounds or 3 prompts the fit is reported on the
+    rounds it was fitted on. With the drafts' top log-probabilities recorded
+    the fit is STS with an offset and a weight on them
+    (:func:`fit_sts_offset`), and on the copy flags of a drafter that copies
+    from the context; else plain STS."""
     logits, survived, valid = records_to_arrays(records, n_positions)
     tops = records_per_position(records, "top_logprobs", n_positions)
     copied = records_per_position(records, "copied", n_positions)
-    held = np.array([g % 3 == 2 for g in groups])
-    if len(records) < 40 or len(set(groups)) < 3:
-        held[:] = False
-    fit = ~held
-    report = held if held.any() else fit
-    if tops is None:
-        temps = fit_sts(logits[fit], survived[fit], valid=valid[fit])
-        return evaluate(logits[report], survived[report], temps, valid=valid[report])
-    temps, weights, offsets, copy_weights = fit_sts_offset(
-        logits[fit],
-        tops[fit],
-        survived[fit],
-        valid=valid[fit],
-        copied=None if copied is None else copied[fit],
-    )
+
+    def rows(values: np.ndarray | None, mask: np.ndarray) -> np.ndarray | None:
+        return None if values is None else values[mask]
+
+    def fit(mask: np.ndarray) -> dict[str, np.ndarray]:
+        if tops is None:
+            return {
+                "temperatures": fit_sts(logits[mask], survived[mask], valid=valid[mask])
+            }
+        fitted = fit_sts_offset(
+            logits[mask],
+            tops[mask],
+            survived[mask],
+            valid=valid[mask],
+            copied=rows(copied, mask),
+        )._asdict()
+        if copied is None:
+            for name in ("copy_weights", "copy_logit_weights", "copy_top_weights"):
+                del fitted[name]
+        return fitted
+
+    folds = np.array(groups) % 3
+    calibrated = None
+    if len(records) >= 40 and len(set(groups)) >= 3:
+        calibrated = np.zeros_like(logits)
+        for fold in range(3):
+            held = folds == fold
+            calibrated[held] = apply_sts(
+                logits[held],
+                tops=rows(tops, held),
+                copied=rows(copied, held),
+                **fit(~held),
+            )[1]
     return evaluate(
-        logits[report],
-        survived[report],
-        temps,
-        valid=valid[report],
-        tops=tops[report],
-        top_weights=weights,
-        offsets=offsets,
-        copied=None if copied is None else copied[report],
-        copy_weights=None if copied is None else copy_weights,
+        logits,
+        survived,
+        valid=valid,
+        tops=tops,
+        copied=copied,
+        calibrated=calibrated,
+        **fit(np.ones(len(records), dtype=bool)),
     )
 
 

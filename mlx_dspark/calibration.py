@@ -6,7 +6,9 @@ weight w_k on t_k, the largest log-probability in draft k's own distribution
 (w = b = 0 is plain STS). A temperature cannot remove a bias (sigmoid(0) stays
 one half), and t_k ranks drafts that will be accepted better than the head
 does on the default pair; t_k describes the distribution, not the token drawn
-from it, so the scheduler may read it before deciding to verify draft k.
+from it, so the scheduler may read it before deciding to verify draft k. A
+draft copied from the context adds an offset and slopes of its own on z_k and
+t_k (whether a copy holds is not what the head and t_k learned to judge).
 
 Data model. One speculative round gives, for every block position k = 1..K, the
 raw confidence logit z_k (pre-sigmoid) and the verification outcome. The label
@@ -26,6 +28,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -183,28 +186,46 @@ def apply_sts(
     top_weights: np.ndarray | list[float] | None = None,
     copied: np.ndarray | None = None,
     copy_weights: np.ndarray | list[float] | None = None,
+    copy_logit_weights: np.ndarray | list[float] | None = None,
+    copy_top_weights: np.ndarray | list[float] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Calibrated per-position confidences c_k and prefix survivals a_k.
 
     ``logits`` (and ``tops``, the drafts' top log-probabilities, needed when
-    ``top_weights`` are given, and ``copied``, 1 where a draft's row carried
-    a context-copy bias, read with ``copy_weights``) is [..., K'] with K' <=
-    len(temperatures); position k uses temperature, offset and weights k.
+    ``top_weights`` or ``copy_top_weights`` are given, and ``copied``, 1 where
+    a draft's row carried a context-copy bias) is [..., K'] with K' <=
+    len(temperatures); position k uses temperature, offset and weights k. A
+    copied draft adds ``copy_weights`` plus its own slopes on the logit and
+    the top log-probability (``copy_logit_weights``, ``copy_top_weights``).
     """
     logits = np.asarray(logits, dtype=np.float64)
     temps = np.asarray(temperatures, dtype=np.float64)
     k = logits.shape[-1]
     if k > temps.size:
         raise ValueError(f"{k} positions but only {temps.size} temperatures")
+
+    def given(values) -> np.ndarray | None:
+        if values is None or not len(values):
+            return None
+        return np.asarray(values, dtype=np.float64)[:k]
+
+    top_weights, copy_top_weights = given(top_weights), given(copy_top_weights)
+    if tops is None and (top_weights is not None or copy_top_weights is not None):
+        raise ValueError("this calibration reads the drafts' top log-probabilities")
     x = logits / temps[:k]
-    if offsets is not None and len(offsets):
-        x = x + np.asarray(offsets, dtype=np.float64)[:k]
-    if top_weights is not None and len(top_weights):
-        if tops is None:
-            raise ValueError("this calibration reads the drafts' top log-probabilities")
-        x = x + np.asarray(top_weights, dtype=np.float64)[:k] * np.asarray(tops)
-    if copied is not None and copy_weights is not None and len(copy_weights):
-        x = x + np.asarray(copy_weights, dtype=np.float64)[:k] * np.asarray(copied)
+    if (offsets := given(offsets)) is not None:
+        x = x + offsets
+    if top_weights is not None:
+        x = x + top_weights * np.asarray(tops)
+    if copied is not None:
+        copied = np.asarray(copied, dtype=np.float64)
+        for weights, value in (
+            (given(copy_weights), 1.0),
+            (given(copy_logit_weights), logits),
+            (copy_top_weights, tops),
+        ):
+            if weights is not None:
+                x = x + copied * weights * np.asarray(value)
     c = sigmoid(x)
     return c, np.cumprod(c, axis=-1)
 
@@ -278,6 +299,18 @@ def _logistic(x: np.ndarray, y: np.ndarray, ridge: float) -> np.ndarray:
     return w
 
 
+class OffsetFit(NamedTuple):
+    """Per-position parameters of :func:`fit_sts_offset`, named as
+    :func:`apply_sts` and :func:`evaluate` take them."""
+
+    temperatures: np.ndarray
+    top_weights: np.ndarray
+    offsets: np.ndarray
+    copy_weights: np.ndarray
+    copy_logit_weights: np.ndarray
+    copy_top_weights: np.ndarray
+
+
 def fit_sts_offset(
     logits: np.ndarray,
     tops: np.ndarray,
@@ -285,9 +318,9 @@ def fit_sts_offset(
     valid: np.ndarray | None = None,
     ridge: float = 1.0,
     copied: np.ndarray | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Temperatures, top-log-probability weights, offsets and copy weights,
-    one each a position (the copy weights zero without ``copied``).
+) -> OffsetFit:
+    """Temperatures, top-log-probability weights and offsets, one each a
+    position, and the copied drafts' own weights (zero without ``copied``).
 
     c_k is the probability that draft k survives given that drafts 1..k-1
     did, so position k is a logistic regression of survival on (z_k, t_k)
@@ -295,19 +328,23 @@ def fit_sts_offset(
     verified; the a_k = c_1 ... c_k are then calibrated when the c_k are. The
     ridge, worth about as much as one round, keeps the late positions, which
     few rounds reach, near a constant. With ``copied`` (1 where draft k's
-    row carried a context-copy bias) the regression reads it too. A position
-    no round reached keeps T = 1 and zero weights; where the head adds nothing
-    beyond the other inputs, T = 1000.
+    row carried a context-copy bias) a copied draft gets its own offset and
+    slopes on z_k and t_k: whether a copy holds says little about what the
+    head and the drafter's own probability say of a draft they wrote. A
+    position no round reached keeps T = 1 and zero weights; where the head
+    adds nothing beyond the other inputs, T = 1000.
     """
     logits = np.asarray(logits, dtype=np.float64)
-    inputs = [np.asarray(tops, dtype=np.float64)]
+    tops = np.asarray(tops, dtype=np.float64)
+    inputs = [tops]
     if copied is not None:
-        inputs.append(np.asarray(copied, dtype=np.float64))
+        copied = np.asarray(copied, dtype=np.float64)
+        inputs += [copied, copied * logits, copied * tops]
     labels = prefix_labels(survived)
     valid = np.ones(logits.shape, bool) if valid is None else np.asarray(valid, bool)
     k_max = logits.shape[1]
     temps, offsets = np.ones(k_max), np.zeros(k_max)
-    weights = np.zeros((2, k_max))
+    weights = np.zeros((4, k_max))
     reached = np.ones(logits.shape[0], dtype=bool)
     for k in range(k_max):
         m = reached & valid[:, k]
@@ -318,7 +355,7 @@ def fit_sts_offset(
             weights[: len(inputs), k] = fitted[1:-1]
             temps[k] = 1.0 / scale if scale > 1e-3 else 1e3
         reached = labels[:, k]
-    return temps, weights[0], offsets, weights[1]
+    return OffsetFit(temps, weights[0], offsets, *weights[1:])
 
 
 def _clean(values: list[float]) -> list[float | None]:
@@ -334,6 +371,8 @@ _PER_POSITION = (
     "top_weights",
     "offsets",
     "copy_weights",
+    "copy_logit_weights",
+    "copy_top_weights",
     "ece_before",
     "ece_after",
     "auc_before",
@@ -346,8 +385,9 @@ class CalibrationResult:
     """Fitted calibration and before/after metrics per position.
 
     ``top_weights`` and ``offsets`` are empty in a plain STS calibration (and in
-    files written before they existed); ``copy_weights`` are empty unless the
-    drafter copied from the context while it was measured. ``reliability_before``/
+    files written before they existed); the copy weights are empty unless the
+    drafter copied from the context while it was measured (and the slopes in
+    files written before copied drafts had their own). ``reliability_before``/
     ``reliability_after``: per position, per bin ``[mean prediction, mean
     outcome, count]`` of the cumulative product.
     """
@@ -365,6 +405,8 @@ class CalibrationResult:
     top_weights: list[float] = field(default_factory=list)
     offsets: list[float] = field(default_factory=list)
     copy_weights: list[float] = field(default_factory=list)
+    copy_logit_weights: list[float] = field(default_factory=list)
+    copy_top_weights: list[float] = field(default_factory=list)
 
     def save(self, path: str | Path) -> None:
         data = asdict(self)
@@ -412,14 +454,37 @@ class CalibrationResult:
 
         temps = known(self.temperatures, 1.0)
         temps = np.where(temps > 0, temps, 1.0)
-        weights = known(self.top_weights, 0.0)
-        weights = weights if weights.any() else None
-        copy_weights = known(self.copy_weights, 0.0)
+
+        def weights(values: list[float]) -> np.ndarray | None:
+            out = known(values, 0.0)
+            return out if out.any() else None
+
         if copied is not None:
             copied = np.asarray(copied, dtype=np.float64).ravel()
         return apply_sts(
-            z, temps, known(self.offsets, 0.0), tops, weights, copied, copy_weights
+            z,
+            temps,
+            known(self.offsets, 0.0),
+            tops,
+            weights(self.top_weights),
+            copied,
+            weights(self.copy_weights),
+            weights(self.copy_logit_weights),
+            weights(self.copy_top_weights),
         )[1]
+
+    @property
+    def reads_tops(self) -> bool:
+        """Whether survival reads the drafts' top log-probabilities."""
+        return any(self.top_weights) or any(self.copy_top_weights)
+
+    @property
+    def reads_copies(self) -> bool:
+        """Whether survival reads the drafts' copy flags."""
+        return any(
+            any(w)
+            for w in (self.copy_weights, self.copy_logit_weights, self.copy_top_weights)
+        )
 
     def acceptance(self) -> list[float]:
         """Conditional acceptance per position measured in the calibration
@@ -532,18 +597,37 @@ def evaluate(
     offsets: np.ndarray | list[float] | None = None,
     copied: np.ndarray | None = None,
     copy_weights: np.ndarray | list[float] | None = None,
+    copy_logit_weights: np.ndarray | list[float] | None = None,
+    copy_top_weights: np.ndarray | list[float] | None = None,
+    calibrated: np.ndarray | None = None,
 ) -> CalibrationResult:
-    """Metrics of a given calibration against raw scores (T = 1) on some rounds."""
+    """Metrics of a given calibration against raw scores (T = 1) on some
+    rounds. ``calibrated``, when given, holds the prefix survivals to report
+    instead of this calibration's own (the cross-validated ones of
+    :func:`~mlx_dspark.calibrate.fit_records`)."""
     logits = np.asarray(logits, dtype=np.float64)
     labels = prefix_labels(survived).astype(np.float64)
     valid = np.ones(logits.shape, bool) if valid is None else np.asarray(valid, bool)
     temps = np.asarray(temperatures, dtype=np.float64)
     _, a_raw = apply_sts(logits, np.ones(logits.shape[1]))
-    _, a_cal = apply_sts(
-        logits, temps, offsets, tops, top_weights, copied, copy_weights
-    )
+    if calibrated is None:
+        _, calibrated = apply_sts(
+            logits,
+            temps,
+            offsets,
+            tops,
+            top_weights,
+            copied,
+            copy_weights,
+            copy_logit_weights,
+            copy_top_weights,
+        )
     ece_b, auc_b, rel_b = _metrics(a_raw, labels, valid, n_bins)
-    ece_a, auc_a, rel_a = _metrics(a_cal, labels, valid, n_bins)
+    ece_a, auc_a, rel_a = _metrics(calibrated, labels, valid, n_bins)
+
+    def listed(values) -> list[float]:
+        return [] if values is None else list(map(float, values))
+
     return CalibrationResult(
         temperatures=temps.tolist(),
         ece_before=ece_b,
@@ -554,7 +638,9 @@ def evaluate(
         n_bins=n_bins,
         reliability_before=rel_b,
         reliability_after=rel_a,
-        top_weights=[] if top_weights is None else list(map(float, top_weights)),
-        offsets=[] if offsets is None else list(map(float, offsets)),
-        copy_weights=[] if copy_weights is None else list(map(float, copy_weights)),
+        top_weights=listed(top_weights),
+        offsets=listed(offsets),
+        copy_weights=listed(copy_weights),
+        copy_logit_weights=listed(copy_logit_weights),
+        copy_top_weights=listed(copy_top_weights),
     )

@@ -64,9 +64,9 @@ def proposal_survival(
         return None
     if calibration is None:
         return apply_sts(z, np.ones(z.size))[1]
-    tops = _top_logprobs(proposal, cap, row) if any(calibration.top_weights) else None
+    tops = _top_logprobs(proposal, cap, row) if calibration.reads_tops else None
     copied = proposal.copied
-    if copied is not None and any(calibration.copy_weights):
+    if copied is not None and calibration.reads_copies:
         copied = np.array(copied[row, :cap])
     else:
         copied = None

@@ -10,6 +10,8 @@ import pytest
 from mlx_dspark.calibration import (
     CalibrationRecord,
     CalibrationResult,
+    OffsetFit,
+    _logistic,
     apply_sts,
     calibrate,
     evaluate,
@@ -150,7 +152,7 @@ def biased_rounds(n, seed):
 
 def test_offset_fit_recovers_the_parameters_and_removes_a_bias_sts_cannot():
     z, t, survived = biased_rounds(40_000, seed=0)
-    temps, weights, offsets, _ = fit_sts_offset(z, t, survived)
+    temps, weights, offsets, *_ = fit_sts_offset(z, t, survived)
     # Positions 1-3 within 0.2 of every parameter (1 / T for the temperature),
     # position 4 (fewer rounds reach it) within 0.35; seeds 0-9 stay within
     # 0.14 and 0.17.
@@ -167,34 +169,75 @@ def test_offset_fit_recovers_the_parameters_and_removes_a_bias_sts_cannot():
     assert extended.top_weights == weights.tolist()
 
 
+def copied_rounds(rng, n, copy_true, logit_true, top_true):
+    """``biased_rounds`` where a draft whose row carried a context-copy bias
+    (40% of them) survives with its own offset and slopes on z and t."""
+    z, t, _ = biased_rounds(n, seed=int(rng.integers(1 << 30)))
+    c = rng.random(z.shape) < 0.4
+    x = z / T_TRUE + W_TRUE * t + B_TRUE
+    p = sigmoid(x + c * (copy_true + logit_true * z + top_true * t))
+    return z, t, c, prefix_labels(rng.random(z.shape) < p), p
+
+
+def copied_error(fit, z, t, c, p):
+    """Mean |fitted - true| survival chance of copied drafts at positions 1-3."""
+    fitted = apply_sts(z, tops=t, copied=c, **fit._asdict())[0]
+    return max(np.abs(fitted - p)[c[:, k], k].mean() for k in range(3))
+
+
 def test_copy_flags_get_their_own_weight():
     """Rows that carried a context-copy bias survive at their own rate: the
-    fit recovers that weight, and a calibration that reads the flags is
+    fit recovers their chance, and a calibration that reads the flags is
     calibrated where one that does not is not."""
     rng = np.random.default_rng(3)
     copy_true = np.array([1.5, 1.0, -0.5, 0.0])
-
-    def rounds(n):
-        z, t, _ = biased_rounds(n, seed=int(rng.integers(1 << 30)))
-        c = rng.random(z.shape) < 0.4
-        p = sigmoid(z / T_TRUE + W_TRUE * t + B_TRUE + copy_true * c)
-        return z, t, c, prefix_labels(rng.random(z.shape) < p)
-
-    z, t, c, survived = rounds(40_000)
-    temps, weights, offsets, copy_weights = fit_sts_offset(z, t, survived, copied=c)
-    assert np.abs(copy_weights[:3] - copy_true[:3]).max() < 0.2, copy_weights
+    zero = np.zeros(4)
+    z, t, c, survived, p = copied_rounds(rng, 40_000, copy_true, zero, zero)
+    fit = fit_sts_offset(z, t, survived, copied=c)
+    assert copied_error(fit, z, t, c, p) < 0.02, fit
     blind = fit_sts_offset(z, t, survived)
-    z2, t2, c2, s2 = rounds(40_000)
-    seeing = evaluate(z2, s2, temps, tops=t2, top_weights=weights, offsets=offsets,
-                      copied=c2, copy_weights=copy_weights)  # fmt: skip
-    unseeing = evaluate(z2, s2, blind[0], tops=t2, top_weights=blind[1],
-                        offsets=blind[2])  # fmt: skip
+    z2, t2, c2, s2, _ = copied_rounds(rng, 40_000, copy_true, zero, zero)
+    seeing = evaluate(z2, s2, tops=t2, copied=c2, **fit._asdict())
+    unseeing = evaluate(z2, s2, blind.temperatures, tops=t2,
+                        top_weights=blind.top_weights, offsets=blind.offsets)  # fmt: skip
     assert seeing.auc_after[0] > unseeing.auc_after[0] + 0.01
-    assert seeing.copy_weights == copy_weights.tolist()
+    assert seeing.copy_weights == fit.copy_weights.tolist()
     survival = seeing.survival(z2[0], t2[0], c2[0])
     assert np.allclose(
-        survival,
-        apply_sts(z2[0], temps, offsets, t2[0], weights, c2[0], copy_weights)[1],
+        survival, apply_sts(z2[0], tops=t2[0], copied=c2[0], **fit._asdict())[1]
+    )
+
+
+def test_copied_drafts_get_their_own_slopes():
+    """Where the head's logit and the drafter's top log-probability say less
+    of a copied draft than of the drafter's own, the fit gives copied drafts
+    their own slopes: recovered, and the copied drafts' survival is then
+    calibrated on fresh rounds, where a shared slope leaves it off."""
+    rng = np.random.default_rng(4)
+    copy_true = np.array([0.5, 0.5, 0.0, 0.0])
+    logit_true = -0.8 / T_TRUE  # copied drafts: the head says a fifth as much
+    top_true = np.array([-1.0, -0.5, 0.0, 0.0])
+    z, t, c, survived, p = copied_rounds(rng, 40_000, copy_true, logit_true, top_true)
+    fit = fit_sts_offset(z, t, survived, copied=c)
+    assert copied_error(fit, z, t, c, p) < 0.02, fit
+    z2, t2, c2, s2, _ = copied_rounds(rng, 40_000, copy_true, logit_true, top_true)
+    labels = prefix_labels(s2)[:, 0]
+    copied = c2[:, 0]
+    own_slopes = apply_sts(z2, tops=t2, copied=c2, **fit._asdict())[1][:, 0]
+    shared = _shared_slope_fit(z, t, c, survived)
+    shared_slope = apply_sts(z2, tops=t2, copied=c2, **shared._asdict())[1][:, 0]
+    own_ece = expected_calibration_error(own_slopes[copied], labels[copied])
+    shared_ece = expected_calibration_error(shared_slope[copied], labels[copied])
+    assert own_ece < 0.02 and shared_ece > 2 * own_ece, (own_ece, shared_ece)
+
+
+def _shared_slope_fit(z, t, c, survived):
+    """Position 1 fitted as before copied drafts had their own slopes: one
+    logistic regression on (z, t, copied)."""
+    w = _logistic(np.stack([z[:, 0], t[:, 0], c[:, 0]], 1), survived[:, 0], 1.0)
+    ones, zeros = np.ones(4), np.zeros(4)
+    return OffsetFit(
+        ones * 1 / w[0], ones * w[1], ones * w[3], ones * w[2], zeros, zeros
     )
 
 
@@ -212,7 +255,7 @@ def test_offset_fit_reads_only_rounds_that_reached_each_position():
     assert all(np.allclose(a, b) for a, b in zip(fitted, refitted, strict=True))
     valid = np.ones_like(survived)
     valid[:, 3] = False
-    temps, weights, offsets, _ = fit_sts_offset(z, t, survived, valid=valid)
+    temps, weights, offsets, *_ = fit_sts_offset(z, t, survived, valid=valid)
     assert (temps[3], weights[3], offsets[3]) == (1.0, 0.0, 0.0)
 
 
@@ -302,3 +345,25 @@ def test_calibrate_cli_checks_flags_before_loading(tmp_path, flag, value, messag
     assert proc.returncode == 1
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_calibrate_table_fits_a_terminal_and_shows_copied_drafts():
+    """The result tables fit 80 columns uncut; copied drafts' parameters get
+    a table of their own, and a calibration without copies has none."""
+    from rich.console import Console
+
+    from mlx_dspark.cli.calibrate import render_result
+
+    rng = np.random.default_rng(5)
+    z, t, c, survived, _ = copied_rounds(
+        rng, 4_000, np.ones(4), np.zeros(4), np.zeros(4)
+    )
+    fit = fit_sts_offset(z, t, survived, copied=c)
+    console = Console(record=True, width=80)
+    render_result(evaluate(z, survived, tops=t, copied=c, **fit._asdict()), console)
+    text = console.export_text()
+    assert "Copied drafts add" in text and "…" not in text
+    assert f"{fit.copy_top_weights[0]:.3f}" in text
+    plain = Console(record=True, width=80)
+    render_result(calibrate(z, survived), plain)
+    assert "Copied" not in plain.export_text()

@@ -23,7 +23,15 @@ from mlx_dspark.calibrate import (
     find_calibration,
     fit_records,
 )
-from mlx_dspark.calibration import CalibrationResult
+from mlx_dspark.calibration import (
+    CalibrationResult,
+    apply_sts,
+    expected_calibration_error,
+    fit_sts_offset,
+    prefix_labels,
+    records_per_position,
+    records_to_arrays,
+)
 from mlx_dspark.drafter import Proposal
 from mlx_dspark.loading import load, load_drafter
 from mlx_dspark.loop import ThresholdPolicy, speculative_generate_step
@@ -452,9 +460,29 @@ def test_calibration_rounds_spread_over_prompts(pair_factory):
     assert sorted(set(groups)) == list(range(6))
     assert max(groups.count(i) for i in range(6)) <= 10
     result = fit_records(records, groups, drafter.block_size)
-    assert result.n_rounds == sum(g % 3 == 2 for g in groups) < 60
+    assert result.n_rounds == 60
+    # The shipped parameters are fitted on every round ...
+    z, survived, valid = records_to_arrays(records, drafter.block_size)
+    tops = records_per_position(records, "top_logprobs", drafter.block_size)
+    fitted = fit_sts_offset(z, tops, survived, valid=valid)
+    assert np.allclose(result.temperatures, fitted.temperatures)
+    assert result.copy_weights == []  # this drafter does not copy
+    # ... and each round is scored by the fit on the other folds' prompts.
+    folds = np.array(groups) % 3
+    scored = np.zeros_like(z)
+    for fold in range(3):
+        held = folds == fold
+        other = fit_sts_offset(
+            z[~held], tops[~held], survived[~held], valid=valid[~held]
+        )
+        scored[held] = apply_sts(z[held], tops=tops[held], **other._asdict())[1]
+    m = valid[:, 0]
+    labels = prefix_labels(survived)[m, 0]
+    assert result.ece_after[0] == expected_calibration_error(scored[m, 0], labels)
+    in_sample = apply_sts(z, tops=tops, **fitted._asdict())[1]
+    assert result.ece_after[0] != expected_calibration_error(in_sample[m, 0], labels)
     few = fit_records(records[:30], groups[:30], drafter.block_size)
-    assert few.n_rounds == 30  # too few rounds to hold any out
+    assert few.n_rounds == 30  # too few rounds to cross-validate: in sample
 
 
 def test_calibrate_cli_end_to_end(pair_factory, tmp_path, capsys):

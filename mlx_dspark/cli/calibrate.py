@@ -30,12 +30,10 @@ def render_result(result: CalibrationResult, console: Console) -> None:
     kind += " + copy" if copies else ""
     table = Table(title=f"{kind} calibration ({result.n_rounds} held-out rounds)")
     columns = ["pos", "T", *(["w top", "offset"] if extended else [])]
-    columns += ["w copy"] if copies else []
     for name in (*columns, "ECE raw", "ECE cal", "AUC raw", "AUC cal"):
         table.add_column(name, justify="right")
     for k, temp in enumerate(result.temperatures):
         extra = [result.top_weights[k], result.offsets[k]] if extended else []
-        extra += [result.copy_weights[k]] if copies else []
         table.add_row(
             str(k + 1),
             *map(fmt, [temp, *extra]),
@@ -44,6 +42,16 @@ def render_result(result: CalibrationResult, console: Console) -> None:
             fmt(result.auc_before[k]),
             fmt(result.auc_after[k]),
         )
+    console.print(table)
+    if not copies:
+        return
+    table = Table(title="Copied drafts add")
+    for name in ("pos", "offset", "w z", "w top"):
+        table.add_column(name, justify="right")
+    slopes = [result.copy_logit_weights, result.copy_top_weights]
+    for k, weight in enumerate(result.copy_weights):
+        own = [w[k] if k < len(w) else math.nan for w in slopes]
+        table.add_row(str(k + 1), *map(fmt, [weight, *own]))
     console.print(table)
 
 
