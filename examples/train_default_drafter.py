@@ -131,7 +131,9 @@ class Stage:
     that stage and on the next ``code_chars`` of code and ``doc_chars`` of
     docstrings in the same shuffled module order, with a teacher store of its
     own, validated on held-out files (:func:`validation_files`); and on the
-    ``continued`` shards (:func:`continued`) at learning rate ``lr``."""
+    ``continued`` shards (:func:`continued`) at learning rate ``lr``. It
+    continues stage ``after`` instead of the one before when that one was
+    not shipped, and a larger ``markov_rank`` grows the Markov head."""
 
     shards: tuple[str, ...]
     code_chars: int
@@ -139,6 +141,8 @@ class Stage:
     steps: int
     lr: float = 1e-3
     continued: tuple[str, ...] = ()
+    after: int | None = None
+    markov_rank: int = 64
 
 
 # Stages 2-4: each about three epochs of new data, at a lower learning rate
@@ -166,6 +170,9 @@ LATER_STAGES = (
     Stage((*(f"t000-{i:04d}" for i in range(27, 34)),
            *(f"t070-{i:04d}" for i in range(27, 33))), 100_000, 100_000, steps=300,
           lr=3e-4),
+    Stage((*(f"t000-{i:04d}" for i in range(34, 43)),
+           *(f"t070-{i:04d}" for i in range(33, 43))), 100_000, 100_000, steps=1200,
+          lr=3e-4, after=6, markov_rank=256),
 )  # fmt: skip
 SHIPPED_STAGES = 6  # the stages behind mlx_dspark/assets/default_drafter
 LATER_STAGE_FLAGS = [*COMMON_FLAGS, "--markov-head", "vanilla", "--batch-size", "10",
@@ -653,6 +660,16 @@ def calibration_prompts(work: Path) -> Path:
     return path
 
 
+def lineage(last: int) -> list[int]:
+    """The stages stage ``last`` is trained through, first to last: each
+    continues the one before or the one its ``after`` names."""
+    stages = [last]
+    while stages[0] > 1:
+        stage = LATER_STAGES[stages[0] - 2]
+        stages.insert(0, stage.after or stages[0] - 1)
+    return stages
+
+
 def stage_text(work: Path, seed: int, stage: int) -> list[Path]:
     """Stage ``stage``'s plain text (``corpus/stdlib-N.txt``,
     ``corpus/docstrings-N.txt``): the code and docstrings that follow the
@@ -836,18 +853,20 @@ def main() -> None:
     drafter = work / "drafter"
     store = ["--teacher-store", str(work / "teacher")]
     train(target, [*answers, *text], drafter, [*TRAIN_FLAGS, *store], env)
-    later = LATER_STAGES[: args.stages - 1]
+    later = lineage(args.stages)[1:]
     validation = (
         ["--val-data", *map(str, validation_files(target, work))] if later else []
     )
-    for number, stage in enumerate(later, start=2):
-        previous, drafter = drafter, work / f"drafter-{number}"
+    for number in later:
+        stage = LATER_STAGES[number - 2]
+        previous = work / f"drafter-{stage.after}" if stage.after else drafter
+        drafter = work / f"drafter-{number}"
         data = [regen_dir / f"{name}.jsonl.gz" for name in stage.shards]
         data += [CONTINUATION_DIR / f"{name}.jsonl.gz" for name in stage.continued]
         data += stage_text(work, args.seed, number)
         flags = [*LATER_STAGE_FLAGS, "--steps", str(stage.steps), "--lr", str(stage.lr)]
-        flags += ["--init-from", str(previous), *validation, *store]
-        train(target, data, drafter, flags, env)
+        flags += ["--markov-rank", str(stage.markov_rank), "--init-from", str(previous)]
+        train(target, data, drafter, [*flags, *validation, *store], env)
     set_context_copy_bias(drafter, CONTEXT_COPY_BIAS)
     if not (drafter / "dspark_calibration.json").exists():
         run(

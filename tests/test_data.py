@@ -262,6 +262,20 @@ def test_later_stages_take_the_text_that_follows(tmp_path, monkeypatch):
     assert second[1] + third[1] == docs[300:750]
 
 
+def test_a_stage_continues_the_one_its_after_names(monkeypatch):
+    stages = (
+        recipe.Stage((), 0, 0, steps=1),
+        recipe.Stage((), 0, 0, steps=1),
+        recipe.Stage((), 0, 0, steps=1, after=2),
+        recipe.Stage((), 0, 0, steps=1),
+    )
+    monkeypatch.setattr(recipe, "LATER_STAGES", stages)
+    assert recipe.lineage(1) == [1]
+    assert recipe.lineage(3) == [1, 2, 3]
+    assert recipe.lineage(4) == [1, 2, 4]
+    assert recipe.lineage(5) == [1, 2, 4, 5]
+
+
 def test_chained_curves_start_where_the_run_before_ended():
     first = ([1.0, 2.0, 5.0], [1.1, 1.2, 1.3])
     second = ([0.5, 1.5], [1.25, 1.35])

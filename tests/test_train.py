@@ -910,3 +910,41 @@ def test_init_from_a_shallower_drafter_grows_it(setup):
     assert mx.any(trained.layers[1].mlp.down_proj.weight).item()
     with pytest.raises(DSparkError, match="--layers \\(2, not 1\\)"):
         train(base_args(setup, "shrunk", steps=2, init_from=str(result.out)))
+
+
+def test_init_from_a_lower_markov_rank_grows_the_head(setup):
+    """--markov-rank above the --init-from drafter's widens its vanilla
+    Markov head: the grown drafter's biases and confidences are its source's
+    until training moves the new columns; a lower rank is refused."""
+    _, target_dir, model, _, _ = setup
+    first = train(base_args(setup, "rank16", steps=6))
+    source = trained_drafter(first.out, model)
+    target = TargetAdapter(model, source.config.target_layer_ids)
+    target_config = json.loads((Path(target_dir) / "config.json").read_text())
+    config = drafter_config(
+        target_config, target, layers=1, block_size=source.block_size,
+        markov_head="vanilla", markov_rank=32, anchors=16, confidence=True,
+        mask_token_id=source.config.mask_token_id,
+    )  # fmt: skip
+    grown = new_drafter(config, target, 0)
+    copy_trained_weights(grown, source, target)
+    head = grown.markov_head
+    assert head.markov_w1.weight.shape[1] == 32
+    assert mx.all(head.markov_w1.weight[:, 16:] != 0).item()
+    assert not mx.any(head.markov_w2.weight[:, 16:]).item()
+    prev = mx.array([[5, 7, 11, 2, 9]])
+    hidden = mx.random.normal((1, 5, config.hidden_size), key=mx.random.key(3))
+    want_bias = source.markov_head.block_bias(prev, hidden)
+    want_confidence = source.confidence(hidden, prev)
+    assert mx.allclose(head.block_bias(prev, hidden), want_bias, atol=1e-5)
+    assert mx.allclose(grown.confidence(hidden, prev), want_confidence, atol=1e-5)
+    head.markov_w2.weight = mx.ones_like(head.markov_w2.weight)
+    assert not mx.allclose(head.block_bias(prev, hidden), want_bias, atol=1e-3)
+
+    result = train(
+        base_args(setup, "rank32", steps=4, markov_rank=32, init_from=str(first.out))
+    )
+    trained = load(target_dir, result.out)[2]
+    assert mx.any(trained.markov_head.markov_w2.weight[:, 16:]).item()
+    with pytest.raises(DSparkError, match="--markov-rank \\(32, not 16\\)"):
+        train(base_args(setup, "lowered", steps=2, init_from=str(result.out)))

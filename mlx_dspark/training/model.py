@@ -182,18 +182,21 @@ def copy_trained_weights(
     :func:`copy_target_layers` places them) with their attention and MLP
     output projections zeroed, so that each adds nothing to the residual
     stream and the grown drafter drafts exactly what ``source`` did until
-    training moves them.
+    training moves them. A larger (vanilla) Markov rank grows the Markov
+    head alike: ``source``'s factors fill the leading columns, ``W1``'s new
+    columns keep their fresh initialisation and ``W2``'s, like the confidence
+    head's weights on them, start at zero.
     """
     theirs = dict(tree_flatten(source.parameters()))
     grown = len(source.layers)
-    drafter.load_weights(
-        [
-            (name, theirs[name].astype(mx.float32))
-            for name, _ in tree_flatten(drafter.trainable_parameters())
-            if name in theirs
-        ],
-        strict=False,
-    )
+    weights = []
+    for name, fresh in tree_flatten(drafter.trainable_parameters()):
+        if name in theirs:
+            weight = theirs[name].astype(mx.float32)
+            if weight.shape != fresh.shape:
+                weight = _widened(name, weight, fresh)
+            weights.append((name, weight))
+    drafter.load_weights(weights, strict=False)
     if len(drafter.layers) > grown:
         copy_target_layers(drafter, target, first=grown)
         for layer in drafter.layers[grown:]:
@@ -201,6 +204,15 @@ def copy_trained_weights(
                 projection = _module(layer, path)
                 projection.weight = mx.zeros_like(projection.weight)
     mx.eval(drafter.parameters())
+
+
+def _widened(name: str, weight: mx.array, fresh: mx.array) -> mx.array:
+    """``weight`` with ``fresh``'s extra last-axis columns: fresh ones for
+    the Markov head's token embedding, zeros elsewhere."""
+    extra = fresh[..., weight.shape[-1] :]
+    if name != "markov_head.markov_w1.weight":
+        extra = mx.zeros_like(extra)
+    return mx.concatenate([weight, extra], axis=-1)
 
 
 _SHAPE_FLAGS = {
@@ -228,13 +240,18 @@ _TARGET_SHAPE = (
 
 def check_same_shape(config: DraftConfig, trained: DraftConfig, path: Path) -> None:
     """Refuse to start from a drafter of another shape than the flags ask for
-    (more layers than it has are fine: see :func:`copy_trained_weights`)."""
+    (more layers or a larger vanilla Markov rank than it has are fine: see
+    :func:`copy_trained_weights`)."""
     mine, theirs = config.to_dict(), trained.to_dict()
     differ = [
         k for k in (*_SHAPE_FLAGS, *_TARGET_SHAPE) if mine.get(k) != theirs.get(k)
     ]
     if mine["num_hidden_layers"] > theirs["num_hidden_layers"]:
         differ.remove("num_hidden_layers")
+    if mine["markov_head_type"] == theirs.get("markov_head_type") == "vanilla" and (
+        mine["markov_rank"] > theirs["markov_rank"] > 0
+    ):
+        differ.remove("markov_rank")
     if len(mine["target_layer_ids"]) == len(theirs["target_layer_ids"]):
         differ = [k for k in differ if k != "target_layer_ids"]
     if not differ:
