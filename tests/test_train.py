@@ -872,22 +872,30 @@ def test_data_parallel_training_equals_one_process(setup, tmp_path):
         assert mx.allclose(a[name], b[name], rtol=1e-3, atol=1e-4).item(), name
 
 
+def grown_from(setup, source_dir: Path, layers: int, markov_rank: int):
+    """The drafter in ``source_dir`` and a fresh one of a larger shape
+    started from it (as ``--init-from`` starts one)."""
+    _, target_dir, model, _, _ = setup
+    source = trained_drafter(source_dir, model)
+    target = TargetAdapter(model, source.config.target_layer_ids)
+    target_config = json.loads((Path(target_dir) / "config.json").read_text())
+    config = drafter_config(
+        target_config, target, layers=layers, block_size=source.block_size,
+        markov_head="vanilla", markov_rank=markov_rank, anchors=16, confidence=True,
+        mask_token_id=source.config.mask_token_id,
+    )  # fmt: skip
+    grown = new_drafter(config, target, 0)
+    copy_trained_weights(grown, source, target)
+    return source, grown
+
+
 def test_init_from_a_shallower_drafter_grows_it(setup):
     """--layers above the --init-from drafter's adds layers on top, started
     from the target's with zeroed output projections: the grown drafter
     computes exactly what its source did, and training then moves them."""
     _, target_dir, model, _, _ = setup
     first = train(base_args(setup, "one_layer", steps=6))
-    source = trained_drafter(first.out, model)
-    target = TargetAdapter(model, source.config.target_layer_ids)
-    target_config = json.loads((Path(target_dir) / "config.json").read_text())
-    config = drafter_config(
-        target_config, target, layers=2, block_size=source.block_size,
-        markov_head="vanilla", markov_rank=16, anchors=16, confidence=True,
-        mask_token_id=source.config.mask_token_id,
-    )  # fmt: skip
-    grown = new_drafter(config, target, 0)
-    copy_trained_weights(grown, source, target)
+    source, grown = grown_from(setup, first.out, layers=2, markov_rank=16)
     new = grown.layers[1]
     top = model.layers[-1]
     assert mx.array_equal(new.self_attn.q_proj.weight, top.self_attn.q_proj.weight)
@@ -916,24 +924,15 @@ def test_init_from_a_lower_markov_rank_grows_the_head(setup):
     """--markov-rank above the --init-from drafter's widens its vanilla
     Markov head: the grown drafter's biases and confidences are its source's
     until training moves the new columns; a lower rank is refused."""
-    _, target_dir, model, _, _ = setup
+    target_dir = setup[1]
     first = train(base_args(setup, "rank16", steps=6))
-    source = trained_drafter(first.out, model)
-    target = TargetAdapter(model, source.config.target_layer_ids)
-    target_config = json.loads((Path(target_dir) / "config.json").read_text())
-    config = drafter_config(
-        target_config, target, layers=1, block_size=source.block_size,
-        markov_head="vanilla", markov_rank=32, anchors=16, confidence=True,
-        mask_token_id=source.config.mask_token_id,
-    )  # fmt: skip
-    grown = new_drafter(config, target, 0)
-    copy_trained_weights(grown, source, target)
+    source, grown = grown_from(setup, first.out, layers=1, markov_rank=32)
     head = grown.markov_head
     assert head.markov_w1.weight.shape[1] == 32
     assert mx.all(head.markov_w1.weight[:, 16:] != 0).item()
     assert not mx.any(head.markov_w2.weight[:, 16:]).item()
     prev = mx.array([[5, 7, 11, 2, 9]])
-    hidden = mx.random.normal((1, 5, config.hidden_size), key=mx.random.key(3))
+    hidden = mx.random.normal((1, 5, grown.config.hidden_size), key=mx.random.key(3))
     want_bias = source.markov_head.block_bias(prev, hidden)
     want_confidence = source.confidence(hidden, prev)
     assert mx.allclose(head.block_bias(prev, hidden), want_bias, atol=1e-5)
