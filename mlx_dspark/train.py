@@ -475,9 +475,10 @@ def _teacher(args, target, target_path, sequences, data_hashes, draft_ids, progr
     if not args.teacher_store:
         return OnlineTeacher(target, draft_ids)
     ids = None if draft_ids is None else draft_ids.tolist()
+    contents = [h["sha256"] for h in data_hashes]  # not paths: data may move
     key = hashlib.sha256(
         json.dumps(
-            [str(target_path), target.layer_ids, data_hashes, args.seq_len, ids]
+            [str(target_path), target.layer_ids, contents, args.seq_len, ids]
         ).encode()
     ).hexdigest()
     directory = Path(args.teacher_store).expanduser() / key[:16]

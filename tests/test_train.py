@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -285,10 +286,18 @@ def test_resume_equals_uninterrupted(setup):
 def test_feature_cache_multi_epoch(setup, tmp_path):
     args = base_args(setup, "cached", steps=None, epochs=2, teacher_store=str(tmp_path))
     result = train(args)
-    files = list(tmp_path.rglob("*.npy"))
+    files = sorted(tmp_path.rglob("*.npy"))
     assert len(files) == 3
     assert result.step == 12
     assert result.history[-1][1] < result.history[0][1]
+
+    moved = tmp_path / "moved" / Path(args.data[0]).name
+    moved.parent.mkdir()
+    shutil.copy(args.data[0], moved)
+    train(
+        replace(args, data=[str(moved)], out=args.out + "-moved", epochs=None, steps=2)
+    )
+    assert sorted(tmp_path.rglob("*.npy")) == files  # the same data's store, reused
 
 
 def test_bad_data(setup, tmp_path):
