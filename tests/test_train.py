@@ -881,7 +881,9 @@ def test_data_parallel_training_equals_one_process(setup, tmp_path):
         assert mx.allclose(a[name], b[name], rtol=1e-3, atol=1e-4).item(), name
 
 
-def grown_from(setup, source_dir: Path, layers: int, markov_rank: int):
+def grown_from(
+    setup, source_dir: Path, layers: int, markov_rank: int, markov_head="vanilla"
+):
     """The drafter in ``source_dir`` and a fresh one of a larger shape
     started from it (as ``--init-from`` starts one)."""
     _, target_dir, model, _, _ = setup
@@ -890,7 +892,7 @@ def grown_from(setup, source_dir: Path, layers: int, markov_rank: int):
     target_config = json.loads((Path(target_dir) / "config.json").read_text())
     config = drafter_config(
         target_config, target, layers=layers, block_size=source.block_size,
-        markov_head="vanilla", markov_rank=markov_rank, anchors=16, confidence=True,
+        markov_head=markov_head, markov_rank=markov_rank, anchors=16, confidence=True,
         mask_token_id=source.config.mask_token_id,
     )  # fmt: skip
     grown = new_drafter(config, target, 0)
@@ -957,3 +959,28 @@ def test_init_from_a_lower_markov_rank_grows_the_head(setup):
     assert mx.any(trained.markov_head.markov_w2.weight[:, 16:]).item()
     with pytest.raises(DSparkError, match="--markov-rank \\(32, not 16\\)"):
         train(base_args(setup, "lowered", steps=2, init_from=str(result.out)))
+
+
+def test_init_from_a_vanilla_head_grows_it_into_a_gated_head(setup):
+    """--markov-head gated from a vanilla --init-from drafter keeps its
+    factors: the grown head biases the drafts exactly as the vanilla one did,
+    training moves the gate, and the way back to vanilla is refused."""
+    target_dir = setup[1]
+    first = train(base_args(setup, "vanilla16", steps=6))
+    source, grown = grown_from(setup, first.out, 1, 16, markov_head="gated")
+    prev = mx.array([[5, 7, 11, 2, 9]])
+    hidden = mx.random.normal((1, 5, grown.config.hidden_size), key=mx.random.key(3))
+    want = source.markov_head.block_bias(prev, hidden)
+    assert mx.allclose(grown.markov_head.block_bias(prev, hidden), want, atol=1e-5)
+    want_confidence = source.confidence(hidden, prev)
+    assert mx.allclose(grown.confidence(hidden, prev), want_confidence, atol=1e-5)
+
+    result = train(
+        base_args(
+            setup, "gated", steps=4, markov_head="gated", init_from=str(first.out)
+        )
+    )
+    trained = load(target_dir, result.out)[2].markov_head
+    assert mx.any(trained.gate_proj.weight != 0).item()
+    with pytest.raises(DSparkError, match="--markov-head \\(gated, not vanilla\\)"):
+        train(base_args(setup, "ungated", steps=2, init_from=str(result.out)))

@@ -151,8 +151,10 @@ def build_parser(prog: str = "mlx_dspark.train") -> argparse.ArgumentParser:
         help="Start from a drafter trained earlier (a directory this command "
         "wrote, float or quantized), with a fresh optimizer and schedule; the "
         "shape flags must match it (--layers may add layers on top, started "
-        "from the target's and adding nothing at first; a vanilla --markov-rank "
-        "may widen the Markov head the same way), its draft vocabulary "
+        "from the target's and adding nothing at first; from a vanilla Markov "
+        "head, a larger --markov-rank widens it the same way and --markov-head "
+        "gated grows it into a gated head, drafting as before at first), "
+        "its draft vocabulary "
         "is kept, and its training record's runs are carried into the new one.",
     )
     add(

@@ -13,6 +13,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ..config import DraftConfig
 from ..drafter import DraftAttention, DraftLayer, DSparkDrafter, Gemma4DraftLayer
 from ..errors import DSparkError
+from ..heads import GatedMarkovHead
 from ..loading import dequantize, load_drafter
 from ..target import TargetAdapter
 
@@ -182,10 +183,13 @@ def copy_trained_weights(
     :func:`copy_target_layers` places them) with their attention and MLP
     output projections zeroed, so that each adds nothing to the residual
     stream and the grown drafter drafts exactly what ``source`` did until
-    training moves them. A larger (vanilla) Markov rank grows the Markov
-    head alike: ``source``'s factors fill the leading columns, ``W1``'s new
-    columns keep their fresh initialisation and ``W2``'s, like the confidence
-    head's weights on them, start at zero.
+    training moves them. A larger Markov rank grows a vanilla head alike:
+    ``source``'s factors fill the leading columns, ``W1``'s new columns keep
+    their fresh initialisation and ``W2``'s, like the confidence head's
+    weights on them, start at zero. A vanilla head grows into a gated head of
+    the same factors: its gate starts at ``sigmoid(0) = 1/2`` everywhere (the
+    gate's projection zeroed) and ``W2`` doubles, which biases the drafts
+    exactly as before.
     """
     theirs = dict(tree_flatten(source.parameters()))
     grown = len(source.layers)
@@ -197,6 +201,14 @@ def copy_trained_weights(
                 weight = _widened(name, weight, fresh)
             weights.append((name, weight))
     drafter.load_weights(weights, strict=False)
+    head = drafter.markov_head
+    if (
+        isinstance(head, GatedMarkovHead)
+        and source.config.markov_head_type == "vanilla"
+    ):
+        head.gate_proj.weight = mx.zeros_like(head.gate_proj.weight)
+        head.gate_proj.bias = mx.zeros_like(head.gate_proj.bias)
+        head.markov_w2.weight = head.markov_w2.weight * 2
     if len(drafter.layers) > grown:
         copy_target_layers(drafter, target, first=grown)
         for layer in drafter.layers[grown:]:
@@ -240,18 +252,19 @@ _TARGET_SHAPE = (
 
 def check_same_shape(config: DraftConfig, trained: DraftConfig, path: Path) -> None:
     """Refuse to start from a drafter of another shape than the flags ask for
-    (more layers or a larger vanilla Markov rank than it has are fine: see
-    :func:`copy_trained_weights`)."""
+    (more layers than it has, or from a vanilla Markov head a larger rank or
+    a gated head, are fine: see :func:`copy_trained_weights`)."""
     mine, theirs = config.to_dict(), trained.to_dict()
     differ = [
         k for k in (*_SHAPE_FLAGS, *_TARGET_SHAPE) if mine.get(k) != theirs.get(k)
     ]
     if mine["num_hidden_layers"] > theirs["num_hidden_layers"]:
         differ.remove("num_hidden_layers")
-    if mine["markov_head_type"] == theirs.get("markov_head_type") == "vanilla" and (
-        mine["markov_rank"] > theirs["markov_rank"] > 0
-    ):
-        differ.remove("markov_rank")
+    if theirs.get("markov_head_type") == "vanilla" and theirs["markov_rank"] > 0:
+        if mine["markov_rank"] > theirs["markov_rank"]:
+            differ.remove("markov_rank")
+        if mine["markov_head_type"] == "gated":
+            differ.remove("markov_head_type")
     if len(mine["target_layer_ids"]) == len(theirs["target_layer_ids"]):
         differ = [k for k in differ if k != "target_layer_ids"]
     if not differ:
