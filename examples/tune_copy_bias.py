@@ -86,9 +86,13 @@ def accepted_lengths(drafter, target, tokens, start, biases, min_ngram) -> np.nd
         else np.arange(rows.shape[-1])
     )
     hit = following[..., None] & (ids[None, None, :] == copies[..., None])
+    # A copied token the draft vocabulary lacks is drafted as it is.
+    outside = following & (copies >= 0) & ~hit.any(-1)
     out = []
     for bias in biases:
         drafts = ids[(rows + bias * hit).argmax(-1)]
+        if bias:
+            drafts = np.where(outside, copies, drafts)
         out.append(1 + np.cumprod(drafts == labels, axis=1).sum(1))
     return np.array(out)
 

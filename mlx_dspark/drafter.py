@@ -64,6 +64,13 @@ def top_logprob(logits: mx.array) -> mx.array:
     return logits.max(axis=-1) - mx.logsumexp(logits, axis=-1)
 
 
+def point_mass(tokens: mx.array, vocab_size: int, dtype: mx.Dtype) -> mx.array:
+    """Logit rows ``[..., vocab_size]`` that put all the mass on ``tokens``:
+    0 there and -inf elsewhere."""
+    rows = mx.where(mx.arange(vocab_size) == tokens[..., None], 0.0, -mx.inf)
+    return rows.astype(dtype)
+
+
 class DraftAttention(nn.Module):
     def __init__(self, config: DraftConfig):
         super().__init__()
@@ -462,7 +469,11 @@ class DSparkDrafter(nn.Module):
         ``copy`` ``[B, >= n]`` holds target ids copied from the context
         (:func:`~mlx_dspark.lookup.continuation`, -1 for none): draft ``k``'s
         row adds ``config.context_copy_bias`` to ``copy[:, k]`` while drafts
-        ``1 .. k-1`` equal ``copy[:, :k-1]``.
+        ``1 .. k-1`` equal ``copy[:, :k-1]``. A copied token outside a reduced
+        draft vocabulary, which no row can hold, is drafted from a point mass
+        on it instead (as :func:`~mlx_dspark.modes.follow_copy` drafts past
+        the block): the returned row is that point mass, and its top
+        log-probability the lowest of the drafter's own row.
         """
         hidden = hidden[:, :n]
         base = self.logits(hidden)
@@ -493,26 +504,36 @@ class DSparkDrafter(nn.Module):
             prev, following, tokens, rows = anchor, None, [], []
             bias = self._copy_bias(copy, base.dtype)
             for k in range(n):
-                state, row, following = self._draft_row(
+                state, row, following, outside = self._draft_row(
                     base, hidden, k, state, prev, copy, following, bias
                 )
                 prev = sample(self.to_target(row), params, keys[k])
+                if outside is not None:
+                    prev = mx.where(outside, copy[:, k], prev)
                 tokens.append(prev)
                 rows.append(row)
             tokens, rows = mx.stack(tokens, axis=1), mx.stack(rows, axis=1)
         corrected = self.to_target(rows)
+        if copy is not None:
+            hits, outside = self._copy_hits(tokens, copy)
+            masses = point_mass(copy, corrected.shape[-1], corrected.dtype)
+            corrected = mx.where(outside[..., None], masses, corrected)
         if not confidence:
             return Proposal(tokens, corrected)
         raw = self.chain_confidence(hidden, anchor, tokens)
         if copy is None:
             return Proposal(tokens, corrected, raw, top_logprob=top_logprob(rows))
-        hits = self._copy_hits(tokens, copy)
         own = rows - hits.astype(rows.dtype) * self.config.context_copy_bias
         top = mx.argmax(rows, axis=-1, keepdims=True)
         own_top = mx.take_along_axis(own, top, axis=-1).squeeze(-1)
+        own_top = mx.where(outside, own.min(axis=-1), own_top)
         own_logprob = (own_top - mx.logsumexp(own, axis=-1)).astype(mx.float32)
         return Proposal(
-            tokens, corrected, raw, top_logprob=own_logprob, copied=hits.any(axis=-1)
+            tokens,
+            corrected,
+            raw,
+            top_logprob=own_logprob,
+            copied=hits.any(axis=-1) | outside,
         )
 
     def _head_state(self, anchor: mx.array) -> mx.array | None:
@@ -529,21 +550,25 @@ class DSparkDrafter(nn.Module):
         copy: mx.array | None,
         following: mx.array | None,
         copy_bias: mx.array | None,
-    ) -> tuple[mx.array | None, mx.array, mx.array | None]:
+    ) -> tuple[mx.array | None, mx.array, mx.array | None, mx.array | None]:
         """Draft ``k``'s draft-vocabulary row after ``prev``: the backbone's
         logits, the sequential head's bias and the copy bias. ``following``
-        marks the requests whose drafts so far equal the copied tokens."""
+        marks the requests whose drafts so far equal the copied tokens, and
+        ``outside`` those of them whose copied token the draft vocabulary
+        lacks: their draft is that token (see :meth:`propose`)."""
         row = base[:, k]
         if self.markov_head is not None:
             state, bias = self.markov_head.step(state, prev, hidden[:, k])
             row = row + bias.astype(row.dtype)
+        outside = None
         if copy is not None:
             following = (
                 copy[:, 0] >= 0 if k == 0 else following & (prev == copy[:, k - 1])
             )
             hit = following[:, None] & (self._draft_ids() == copy[:, k : k + 1])
             row = row + hit.astype(row.dtype) * copy_bias
-        return state, row, following
+            outside = following & (copy[:, k] >= 0) & ~hit.any(axis=-1)
+        return state, row, following, outside
 
     def _copy_bias(self, copy: mx.array | None, dtype: mx.Dtype) -> mx.array | None:
         """The copy bias as an array (a compiled chain must not freeze it)."""
@@ -557,13 +582,16 @@ class DSparkDrafter(nn.Module):
             return self.draft_to_target
         return mx.arange(self.config.output_vocab_size, dtype=mx.int32)
 
-    def _copy_hits(self, tokens: mx.array, copy: mx.array) -> mx.array:
-        """``[B, n, V]``: where each draft row carried the copy bias, from the
-        drafts and the copied tokens (the rule of :meth:`_draft_row`)."""
+    def _copy_hits(self, tokens: mx.array, copy: mx.array) -> tuple[mx.array, mx.array]:
+        """Where each draft row carried the copy bias (``[B, n, V]``) and which
+        rows were a point mass on a copied token outside the draft vocabulary
+        (``[B, n]``), from the drafts and the copied tokens (the rule of
+        :meth:`_draft_row`)."""
         agree = tokens[:, :-1] == copy[:, :-1]
         following = mx.concatenate([copy[:, :1] >= 0, agree], axis=1)
         following = mx.cumprod(following.astype(mx.int32), axis=1) > 0
-        return following[..., None] & (self._draft_ids() == copy[..., None])
+        hits = following[..., None] & (self._draft_ids() == copy[..., None])
+        return hits, following & (copy >= 0) & ~hits.any(axis=-1)
 
     def greedy_chain(
         self,
@@ -582,10 +610,12 @@ class DSparkDrafter(nn.Module):
         state = self._head_state(anchor)
         prev, following, tokens, rows = anchor, None, [], []
         for k in range(base.shape[1]):
-            state, row, following = self._draft_row(
+            state, row, following, outside = self._draft_row(
                 base, hidden, k, state, prev, copy, following, copy_bias
             )
             prev = self.draft_ids_to_target(row)
+            if outside is not None:
+                prev = mx.where(outside, copy[:, k], prev)
             tokens.append(prev)
             rows.append(row)
         return mx.stack(tokens, axis=1), mx.stack(rows, axis=1)

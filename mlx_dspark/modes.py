@@ -66,7 +66,7 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
-from .drafter import DSparkDrafter, Proposal
+from .drafter import DSparkDrafter, Proposal, point_mass
 from .sampling import SamplingParams, log_probs
 from .target import TargetAdapter
 from .verify import Verdict, draw, rejection_step, verdict, without
@@ -163,12 +163,11 @@ def follow_copy(proposal: Proposal, copy: mx.array) -> Proposal:
     if copy.shape[1] <= n or not mx.array_equal(proposal.tokens, copy[:, :n]):
         return proposal
     more = copy[:, n:]
-    vocab = mx.arange(proposal.logits.shape[-1])
-    rows = mx.where(vocab == more[..., None], 0.0, -mx.inf)
+    rows = point_mass(more, proposal.logits.shape[-1], proposal.logits.dtype)
     return replace(
         proposal,
         tokens=mx.concatenate([proposal.tokens, more], axis=1),
-        logits=mx.concatenate([proposal.logits, rows.astype(proposal.logits.dtype)], 1),
+        logits=mx.concatenate([proposal.logits, rows], 1),
     )
 
 

@@ -7,6 +7,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import HEADS, head_id
+from mlx_dspark.convert.drafter import convert_drafter
+from test_convert_drafter import write_speculators
 from test_drafter import head_drafter, reduced_drafter, two_blocks
 from test_greedy import dspark_tokens, target_greedy
 from test_sampling import (
@@ -19,10 +21,12 @@ from test_sampling import (
 )
 
 from mlx_dspark.drafter import Proposal
+from mlx_dspark.loading import load, load_drafter
 from mlx_dspark.lookup import continuation
 from mlx_dspark.modes import ChainMode, follow_copy
 from mlx_dspark.policies import MonitoredPolicy
 from mlx_dspark.sampling import SamplingParams
+from mlx_dspark.structured import PairSpec, build_structured_pair
 
 
 def brute_continuation(history, length, min_ngram=2, max_ngram=3):
@@ -126,19 +130,44 @@ def test_copy_bias_lifts_the_copied_tokens_while_the_drafts_follow_them(
     with_copy_bias(drafter, 0.0)
 
 
-def test_copy_bias_skips_tokens_outside_a_reduced_vocabulary():
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_copied_tokens_outside_a_reduced_vocabulary_are_drafted_from_a_point_mass(
+    temperature,
+):
     drafter = with_copy_bias(reduced_drafter("vanilla", 3), 1e4)
-    outside = next(
-        t for t in range(31) if t not in set(drafter.draft_to_target.tolist())
-    )
+    ids = drafter.draft_to_target.tolist()
+    first, second = [t for t in range(31) if t not in set(ids)][:2]
     anchor = mx.array([3])
     hidden = drafter(drafter.block_tokens(anchor), 0, None, drafter.make_cache())
-    params = SamplingParams()
-    plain = drafter.propose(hidden, anchor, 3, params, None)
-    copied = drafter.propose(
-        hidden, anchor, 3, params, None, copy=mx.array([[outside, 1, 2]])
+    params = SamplingParams(temperature=temperature)
+    key = None if params.greedy else mx.random.key(1)
+    copy = mx.array([[first, ids[4], second]])
+    copied = drafter.propose(hidden, anchor, 3, params, key, copy=copy)
+    assert copied.tokens.tolist() == copy.tolist()
+    rows = np.array(copied.logits[0], dtype=np.float64)
+    for k in (0, 2):  # outside: all the mass on the copied token
+        token = copy[0, k].item()
+        assert rows[k, token] == 0 and np.isneginf(np.delete(rows[k], token)).all()
+    assert rows[1, ids[4]] > 1e3  # inside: the copy bias, as before
+    assert copied.copied.tolist() == [[True, True, True]]
+    # The forced rows' top log-probability: the lowest of the drafter's own row.
+    own = np.array(drafter.logits(hidden[:, :3])[0], dtype=np.float64)
+    head = drafter.markov_head
+    prev = mx.array([[3, first, ids[4]]])
+    own += np.array(head.block_bias(prev, hidden[:, :3])[0], dtype=np.float64)
+    own_logprob = own - np.log(np.exp(own).sum(-1, keepdims=True))
+    tops = np.array(copied.top_logprob[0])
+    assert np.allclose(tops[[0, 2]], own_logprob[[0, 2]].min(-1), atol=1e-4)
+
+    # Drafts that left the copy are not forced back onto it.
+    with_copy_bias(drafter, 1e-6)
+    plain = drafter.propose(hidden, anchor, 3, params, key)
+    other = next(t for t in ids if t != plain.tokens[0, 0].item())
+    left = drafter.propose(
+        hidden, anchor, 3, params, key, copy=mx.array([[other, first, second]])
     )
-    assert copied.tokens.tolist() == plain.tokens.tolist()
+    assert left.tokens.tolist() == plain.tokens.tolist()
+    assert left.copied.tolist() == [[True, False, False]]
 
 
 REPEATING_PROMPTS = [[1, 2, 3, 4, 1, 2, 3], [7, 8, 7, 8, 7], [20, 4, 11, 9, 20, 4]]
@@ -205,6 +234,80 @@ def test_sampling_exact_with_context_copying(pair_factory, params):
             assert chi_square(wrong, joint, SEEDS)[0] > chi_square_critical(dof)
     finally:
         with_copy_bias(drafter, 0.0)
+
+
+# Odd tokens from 3 on are left out of the reduced draft vocabulary, and
+# "0, x" was followed by one of them for every x but 0, 30 (end of sequence)
+# and the mask: whatever the target samples first, the first round is offered
+# a copy whose first token no row can hold.
+LEFT_OUT = tuple(range(3, 31, 2))
+OUTSIDE_PROMPT = [*(t for x in range(1, 30) for t in (0, x, 3 + 2 * (x % 13))), 0]
+
+
+@pytest.fixture(scope="module")
+def reduced_pair(tmp_path_factory):
+    """The structured pair of the copying tests, its drafter converted to a
+    reduced draft vocabulary without ``LEFT_OUT``."""
+    root = tmp_path_factory.mktemp("reduced_pair")
+    target_dir, drafter_dir = build_structured_pair(
+        root / "pair", PairSpec(sharpness=0.6, block_size=4)
+    )
+    model, tokenizer, _ = load(target_dir)
+    keep = [t for t in range(model.args.vocab_size) if t not in LEFT_OUT]
+    write_speculators(drafter_dir, root / "spec", keep)
+    convert_drafter(root / "spec", root / "reduced", target=target_dir)
+    return model, tokenizer, load_drafter(root / "reduced", model)
+
+
+class CountsDraftsOutside(ChainMode):
+    """Counts the drafts outside the draft vocabulary; with ``wrong``, a
+    wrong proposal: those drafts verified against uniform rows."""
+
+    def __init__(self, wrong=False):
+        self.wrong, self.outside = wrong, 0
+
+    def propose(self, drafter, hidden, anchor, cap, params, key, copy=None):
+        proposal = super().propose(drafter, hidden, anchor, cap, params, key, copy)
+        outside = mx.array(np.isin(np.array(proposal.tokens), LEFT_OUT))
+        self.outside += int(outside.sum().item())
+        if self.wrong:
+            rows = proposal.logits
+            proposal.logits = mx.where(outside[..., None], mx.zeros_like(rows), rows)
+        return proposal
+
+
+@pytest.mark.parametrize("params", CONFIGS, ids=["t0.7-p0.9-k8", "t1"])
+def test_sampling_exact_with_copies_outside_a_reduced_vocabulary(reduced_pair, params):
+    model, _, drafter = reduced_pair
+    joint = exact_joint(model, params, OUTSIDE_PROMPT)
+    with copy_bias(drafter, 40.0):
+        mode = CountsDraftsOutside()
+        samples, stats = sample_first_three(
+            model, drafter, params, mode, prompt=OUTSIDE_PROMPT
+        )
+        stat, dof = chi_square(samples, joint, SEEDS)
+        assert dof >= 5
+        assert stat < chi_square_critical(dof), (stat, dof)
+        assert mode.outside > SEEDS // 10
+        if params.temperature == 1.0:
+            wrong, _ = sample_first_three(
+                model, drafter, params, CountsDraftsOutside(wrong=True),
+                prompt=OUTSIDE_PROMPT,
+            )  # fmt: skip
+            assert chi_square(wrong, joint, SEEDS)[0] > chi_square_critical(dof)
+
+
+def test_greedy_identical_with_copies_outside_a_reduced_vocabulary(reduced_pair):
+    model, tokenizer, drafter = reduced_pair
+    with copy_bias(drafter, 40.0):
+        for prompt in [COPY_PROMPT, *REPEATING_PROMPTS]:
+            expected = target_greedy(model, prompt)
+            for num_draft in (1, 4):
+                tokens, _ = dspark_tokens(
+                    model, tokenizer, drafter, prompt, max_tokens=64,
+                    num_draft=num_draft, scheduler="off",
+                )  # fmt: skip
+                assert tokens == expected, (prompt, num_draft)
 
 
 def test_follow_copy_goes_on_with_the_copy_only_where_the_drafts_followed_it():
