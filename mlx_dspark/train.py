@@ -105,6 +105,7 @@ class TrainArgs:
     grad_clip: float = 1.0
     seq_len: int = 512
     gamma: float = 4.0
+    greedy_weight: float = 0.0
     seed: int = 0
     resume: bool = False
     checkpoint_every: int = 500
@@ -216,6 +217,8 @@ def train(
         "init_from": None if start is None else start.weights_sha256,
         "val_sequences": args.val_sequences, "val_data": val_hashes,
     }  # fmt: skip
+    if args.greedy_weight:  # checkpoints from before the flag still resume
+        identity["greedy_weight"] = args.greedy_weight
     state = (
         _resume(args, ckpt, drafter, optimizer, identity)
         if args.resume
@@ -248,11 +251,14 @@ def train(
         val_ids = list(range(len(val_data)))
     val_batches = _validation_batches(args, val_ids, val_make) if rank == 0 else []
     validate = (
-        make_validation(drafter, val_teacher, val_batches) if val_batches else None
+        make_validation(drafter, val_teacher, val_batches, args.greedy_weight)
+        if val_batches
+        else None
     )
     parallel = group if size > 1 else None
     status, final = optimise(
-        make_step(drafter, optimizer, args.grad_clip, group=parallel), next_batch,
+        make_step(drafter, optimizer, args.grad_clip, group=parallel,
+                  greedy_weight=args.greedy_weight), next_batch,
         teacher, state, total, log_every=args.log_every,
         checkpoint_every=args.checkpoint_every, save=save, should_stop=should_stop,
         progress=stage("training"), validate=validate, validate_every=args.val_every,
@@ -325,6 +331,7 @@ def _check_args(args: TrainArgs) -> None:
         "--weight-decay": args.weight_decay,
         "--grad-clip": args.grad_clip,
         "--gamma": args.gamma,
+        "--greedy-weight": args.greedy_weight,
     }
     for flag, value in at_least_zero.items():
         if not value >= 0:

@@ -507,6 +507,61 @@ def test_stored_teacher_loss_equals_on_the_fly(setup, tmp_path, draft_vocab):
 
 
 @pytest.mark.parametrize("draft_vocab", [None, 12])
+def test_greedy_term_and_greedy_tau(setup, draft_vocab):
+    """The greedy term is the weighted CE against the target's most likely
+    token where that token is inside the draft vocabulary for certain, and
+    ``greedy_tau`` the teacher-forced greedy accepted length, both computed
+    here position by position in NumPy."""
+    _, _, model, tokenizer, data = setup
+    drafter, target, ids = _tiny_drafter(model, draft_vocab=draft_vocab)
+    sequences, _ = load_sequences([data], tokenizer, 64)
+    to_draft = None
+    if ids is not None:
+        to_draft = np.full(32, -1, dtype=np.int32)
+        to_draft[ids] = np.arange(len(ids), dtype=np.int32)
+    indices = [0, 2, 5]
+    batch = make_batch(
+        [sequences[i] for i in indices], 8, 5, 31, 4.0, np.random.default_rng(1),
+        to_draft,
+    )  # fmt: skip
+    features, target_p, outside = OnlineTeacher(target, ids)(indices, batch)
+    plain, plain_terms = loss_terms(drafter, features, target_p, outside, batch)
+    loss, terms = loss_terms(drafter, features, target_p, outside, batch, 2.0)
+
+    hidden = training_hidden(drafter, features, batch.anchors, batch.blocks)
+    NA, B = hidden.shape[:2]
+    logits = draft_logits(drafter, hidden, batch.prev.reshape(NA, B))
+    q = np.array(mx.softmax(logits, axis=-1, precise=True), dtype=np.float64)
+    p, out = np.array(target_p, dtype=np.float64), np.array(outside)
+    weights = np.array(batch.weights).reshape(NA, B)
+    valid = np.array(batch.valid).reshape(NA, B)
+    greedy_ce, lengths = 0.0, []
+    for a in range(NA):
+        length = 1.0
+        for k in range(B):
+            best = int(p[a, k].argmax())
+            known = p[a, k, best] >= out[a, k]
+            if known:
+                greedy_ce -= weights[a, k] * np.log(q[a, k, best])
+            if length == k + 1 and valid[a, k] and known:
+                length += float(q[a, k].argmax() == best)
+        if valid[a, 0]:
+            lengths.append(length)
+    greedy_ce /= weights.sum()
+    assert abs((loss - plain).item() - 2.0 * greedy_ce) < 1e-4
+    for got, expected in zip(terms[:4], plain_terms[:4], strict=True):
+        assert got.item() == expected.item()
+    assert abs(terms[4].item() - np.mean(lengths)) < 1e-5
+    assert terms[4].item() == plain_terms[4].item()
+    if ids is not None:  # some of the target's best tokens are outside
+        assert (p.max(axis=-1) < out).any() and (p.max(axis=-1) >= out).any()
+    unknown = mx.ones_like(outside)  # no best token inside for certain
+    loss, terms = loss_terms(drafter, features, target_p, unknown, batch, 2.0)
+    plain, _ = loss_terms(drafter, features, target_p, unknown, batch)
+    assert loss.item() == plain.item() and terms[4].item() == 1.0
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 12])
 def test_target_distribution_is_the_softmax_over_the_draft_vocabulary(
     setup, draft_vocab
 ):

@@ -114,6 +114,13 @@ def build_parser(prog: str = "mlx_dspark.train") -> argparse.ArgumentParser:
     )
     add("--seq-len", type=int, default=d.seq_len, help="Tokens per sequence.")
     add("--gamma", type=float, default=d.gamma, help="Position-weight decay.")
+    add(
+        "--greedy-weight",
+        type=float,
+        default=d.greedy_weight,
+        help="Weight of a CE term against the target's most likely token, the "
+        "draft greedy decoding keeps (0 = DeepSpec's loss).",
+    )
     add("--seed", type=int, default=d.seed, help="Random seed.")
     add("--resume", action="store_true", help="Continue from the checkpoint.")
     add(

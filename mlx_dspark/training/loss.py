@@ -5,6 +5,13 @@ CE (0.1) + total variation L1 between the draft and target distributions
 position ``k`` weighted by ``exp(-k / gamma)``. The sequential head is
 teacher-forced with the true previous tokens.
 
+mlx-dspark adds an optional greedy term (``greedy_weight``, 0 = DeepSpec's
+loss): CE against the target's most likely token, the draft a greedy target
+keeps. Beside the expected accepted length of sampling at T=1 (``tau``,
+``1 - L1 / 2`` per position), the terms report the teacher-forced greedy one
+(``greedy_tau``): positions count while the draft's most likely token is the
+target's.
+
 With a reduced draft vocabulary the draft puts no mass outside it, so the
 target's mass there (``outside``) adds to the L1 distance as it is: the loss
 is the full-vocabulary one, computed from the target's distribution over the
@@ -46,14 +53,19 @@ def loss_terms(
     target_p: mx.array,
     outside: mx.array,
     batch: Batch,
+    greedy_weight: float = 0.0,
 ) -> tuple[mx.array, tuple[mx.array, ...]]:
-    """The loss and its terms (ce, l1, confidence BCE, expected length).
+    """The loss and its terms (ce, l1, confidence BCE, expected length at T=1
+    and greedy).
 
     ``target_p`` ``[N * A, B, V]`` is the target's distribution over the
     drafter's output vocabulary at each block position and ``outside``
     ``[N * A, B]`` its mass outside that vocabulary (zero for a full one).
     A rank's share of a step (``batch.denominators``) is normalised by the
-    whole step's weight sum and block count.
+    whole step's weight sum and block count. The target's most likely token
+    counts as known where it is inside the draft vocabulary for certain (its
+    probability at least the mass outside); elsewhere no draft can match it
+    and the greedy term skips the position.
     """
     hidden = training_hidden(drafter, features, batch.anchors, batch.blocks)
     NA, B, _ = hidden.shape
@@ -70,11 +82,19 @@ def loss_terms(
     labels = batch.labels.reshape(NA, B, 1)
     label_q = mx.take_along_axis(q, labels, axis=-1).squeeze(-1)
     ce = -mx.log(mx.maximum(label_q, 1e-30)) * batch.in_vocab.reshape(NA, B)
-    l1 = mx.abs(q - target_p.astype(mx.float32)).sum(axis=-1) + outside
+    target_p = target_p.astype(mx.float32)
+    l1 = mx.abs(q - target_p).sum(axis=-1) + outside
     ce_loss = (ce * weights).sum() / total
     l1_loss = (l1 * weights).sum() / total
     accept = mx.stop_gradient(mx.clip(1.0 - 0.5 * l1, 0.0, 1.0))
     loss = CE_WEIGHT * ce_loss + TV_WEIGHT * l1_loss
+    best = mx.argmax(target_p, axis=-1, keepdims=True)
+    known = mx.take_along_axis(target_p, best, axis=-1).squeeze(-1) >= outside
+    best = best.squeeze(-1)
+    if greedy_weight:
+        best_q = mx.take_along_axis(q, best[..., None], axis=-1).squeeze(-1)
+        greedy_ce = -mx.log(mx.maximum(best_q, 1e-30)) * known
+        loss = loss + greedy_weight * (greedy_ce * weights).sum() / total
     confidence = drafter.confidence(hidden, prev)
     if confidence is not None:
         bce = nn.losses.binary_cross_entropy(confidence, accept, reduction="none")
@@ -85,4 +105,7 @@ def loss_terms(
     blocks = valid[:, 0]
     expected = mx.cumprod(accept * valid, axis=-1).sum(axis=-1) + 1.0
     tau = (expected * blocks).sum() / mx.maximum(blocks_total, 1e-6)
-    return loss, (ce_loss, l1_loss, conf_loss, tau)
+    kept = ((mx.argmax(logits, axis=-1) == best) & known).astype(mx.float32)
+    greedy = mx.cumprod(kept * valid, axis=-1).sum(axis=-1) + 1.0
+    greedy_tau = (greedy * blocks).sum() / mx.maximum(blocks_total, 1e-6)
+    return loss, (ce_loss, l1_loss, conf_loss, tau, greedy_tau)

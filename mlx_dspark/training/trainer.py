@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -18,7 +19,7 @@ from ..drafter import DSparkDrafter
 from .batches import Batch
 from .loss import loss_terms
 
-METRICS = ("loss", "ce", "tv", "conf", "tau")
+METRICS = ("loss", "ce", "tv", "conf", "tau", "greedy_tau")
 Teacher = Callable[[list[int], Batch], tuple[mx.array, mx.array, mx.array]]
 
 
@@ -53,6 +54,7 @@ def make_step(
     grad_clip: float,
     compiled: bool = True,
     group: mx.distributed.Group | None = None,
+    greedy_weight: float = 0.0,
 ) -> Callable[[mx.array, mx.array, mx.array, Batch], list[float]]:
     """One update from a batch and its teacher; returns the metrics.
 
@@ -63,7 +65,9 @@ def make_step(
     each trains on its share of the step (:func:`~.batches.shard`); their
     gradients and metrics are averaged, so every rank makes the same update.
     """
-    loss_and_grad = nn.value_and_grad(drafter, loss_terms)
+    loss_and_grad = nn.value_and_grad(
+        drafter, partial(loss_terms, greedy_weight=greedy_weight)
+    )
 
     def update(features, target_p, outside, denominators, *arrays):
         batch = Batch(*arrays, supervised=0, denominators=denominators)
@@ -98,7 +102,10 @@ def make_step(
 
 
 def make_validation(
-    drafter: DSparkDrafter, teacher: Teacher, batches: list[tuple[list[int], Batch]]
+    drafter: DSparkDrafter,
+    teacher: Teacher,
+    batches: list[tuple[list[int], Batch]],
+    greedy_weight: float = 0.0,
 ) -> Callable[[], list[float]]:
     """The mean metrics over held-out batches (anchors fixed once), without
     updating anything."""
@@ -106,7 +113,9 @@ def make_validation(
     def validate() -> list[float]:
         rows = []
         for indices, batch in batches:
-            loss, terms = loss_terms(drafter, *teacher(indices, batch), batch)
+            loss, terms = loss_terms(
+                drafter, *teacher(indices, batch), batch, greedy_weight
+            )
             mx.eval(loss, terms)
             rows.append([loss.item(), *(t.item() for t in terms)])
         return np.mean(rows, axis=0).tolist()
@@ -166,7 +175,10 @@ def optimise(
             )
             shown += f"  {state.positions_per_s:.0f} pos/s"
             if state.validation:
-                shown += f"  val tau {state.validation[-1][-1]:.3f}"
+                last = dict(zip(METRICS, state.validation[-1][2:], strict=False))
+                shown += f"  val tau {last['tau']:.3f}"
+                if "greedy_tau" in last:
+                    shown += f" greedy {last['greedy_tau']:.3f}"
             if progress is not None:
                 progress(state.step, total, shown)
             if checkpoint_every and state.step % checkpoint_every == 0:
