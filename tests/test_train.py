@@ -462,29 +462,33 @@ def test_shared_context_gradients_equal_the_straightforward_ones(setup):
         assert mx.allclose(g, flat_slow[name], rtol=1e-4, atol=1e-5), name
 
 
+def _drafter_and_batch(setup, draft_vocab, indices, seed):
+    """A tiny drafter (full or reduced vocabulary), the training sequences and
+    a batch of 8 anchors in each of ``indices``."""
+    _, _, model, tokenizer, data = setup
+    drafter, target, ids = _tiny_drafter(model, draft_vocab=draft_vocab)
+    sequences, _ = load_sequences([data], tokenizer, 64)
+    to_draft = None
+    if ids is not None:
+        to_draft = np.full(32, -1, dtype=np.int32)
+        to_draft[ids] = np.arange(len(ids), dtype=np.int32)
+    batch = make_batch(
+        [sequences[i] for i in indices], 8, 5, 31, 4.0, np.random.default_rng(seed),
+        to_draft,
+    )  # fmt: skip
+    return drafter, target, ids, sequences, batch
+
+
 @pytest.mark.parametrize("draft_vocab", [None, 12])
 def test_stored_teacher_loss_equals_on_the_fly(setup, tmp_path, draft_vocab):
     """The teacher store (features + target distribution over the draft
     vocabulary + mass outside it) gives the on-the-fly loss: exactly in
     float32, within the stated float16 bound otherwise."""
-    _, _, model, tokenizer, data = setup
-    drafter, target, ids = _tiny_drafter(model, draft_vocab=draft_vocab)
-    sequences, _ = load_sequences([data], tokenizer, 64)
-    sequences = sequences[:6]
-    to_draft = None
-    if ids is not None:
-        to_draft = np.full(32, -1, dtype=np.int32)
-        to_draft[ids] = np.arange(len(ids), dtype=np.int32)
     indices = [4, 1, 3]
-    batch = make_batch(
-        [sequences[i] for i in indices],
-        8,
-        5,
-        31,
-        4.0,
-        np.random.default_rng(0),
-        to_draft,
+    drafter, target, ids, sequences, batch = _drafter_and_batch(
+        setup, draft_vocab, indices, seed=0
     )
+    sequences = sequences[:6]
     online = OnlineTeacher(target, ids)
     loss_and_grad = nn.value_and_grad(drafter, loss_terms)
     (expected, terms), grads = loss_and_grad(drafter, *online(indices, batch), batch)
@@ -512,18 +516,10 @@ def test_greedy_term_and_greedy_tau(setup, draft_vocab):
     token where that token is inside the draft vocabulary for certain, and
     ``greedy_tau`` the teacher-forced greedy accepted length, both computed
     here position by position in NumPy."""
-    _, _, model, tokenizer, data = setup
-    drafter, target, ids = _tiny_drafter(model, draft_vocab=draft_vocab)
-    sequences, _ = load_sequences([data], tokenizer, 64)
-    to_draft = None
-    if ids is not None:
-        to_draft = np.full(32, -1, dtype=np.int32)
-        to_draft[ids] = np.arange(len(ids), dtype=np.int32)
     indices = [0, 2, 5]
-    batch = make_batch(
-        [sequences[i] for i in indices], 8, 5, 31, 4.0, np.random.default_rng(1),
-        to_draft,
-    )  # fmt: skip
+    drafter, target, ids, _, batch = _drafter_and_batch(
+        setup, draft_vocab, indices, seed=1
+    )
     features, target_p, outside = OnlineTeacher(target, ids)(indices, batch)
     plain, plain_terms = loss_terms(drafter, features, target_p, outside, batch)
     loss, terms = loss_terms(drafter, features, target_p, outside, batch, 2.0)
