@@ -64,8 +64,9 @@ def loss_terms(
     A rank's share of a step (``batch.denominators``) is normalised by the
     whole step's weight sum and block count. The target's most likely token
     counts as known where it is inside the draft vocabulary for certain (its
-    probability at least the mass outside); elsewhere no draft can match it
-    and the greedy term skips the position.
+    probability at least the mass outside); elsewhere it may lie outside,
+    where no draft can match it: the greedy term skips the position and the
+    greedy length counts it as a miss.
     """
     hidden = training_hidden(drafter, features, batch.anchors, batch.blocks)
     NA, B, _ = hidden.shape
