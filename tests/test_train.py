@@ -1012,12 +1012,29 @@ def test_init_from_a_lower_markov_rank_grows_the_head(setup):
         train(base_args(setup, "lowered", steps=2, init_from=str(result.out)))
 
 
-def test_init_from_a_vanilla_head_grows_it_into_a_gated_head(setup):
+@pytest.fixture(scope="module")
+def vanilla16(setup):
+    return train(base_args(setup, "vanilla16", steps=6))
+
+
+def test_init_from_a_vanilla_head_grows_it_into_a_wider_gated_head(setup, vanilla16):
+    """A vanilla head grows into a gated head of a larger rank too (the
+    shape check allows both at once): it biases the drafts as before."""
+    source, grown = grown_from(setup, vanilla16.out, 1, 32, markov_head="gated")
+    prev = mx.array([[5, 7, 11, 2, 9]])
+    hidden = mx.random.normal((1, 5, grown.config.hidden_size), key=mx.random.key(3))
+    want = source.markov_head.block_bias(prev, hidden)
+    assert mx.allclose(grown.markov_head.block_bias(prev, hidden), want, atol=1e-5)
+    want_confidence = source.confidence(hidden, prev)
+    assert mx.allclose(grown.confidence(hidden, prev), want_confidence, atol=1e-5)
+
+
+def test_init_from_a_vanilla_head_grows_it_into_a_gated_head(setup, vanilla16):
     """--markov-head gated from a vanilla --init-from drafter keeps its
     factors: the grown head biases the drafts exactly as the vanilla one did,
     training moves the gate, and the way back to vanilla is refused."""
     target_dir = setup[1]
-    first = train(base_args(setup, "vanilla16", steps=6))
+    first = vanilla16
     source, grown = grown_from(setup, first.out, 1, 16, markov_head="gated")
     prev = mx.array([[5, 7, 11, 2, 9]])
     hidden = mx.random.normal((1, 5, grown.config.hidden_size), key=mx.random.key(3))
