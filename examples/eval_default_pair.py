@@ -29,6 +29,7 @@ from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 from mlx_lm.sample_utils import make_sampler
 
 from mlx_dspark import stream_generate
+from mlx_dspark.errors import DSparkError
 
 CHAT = [
     "What are three tips for getting better sleep?",
@@ -101,7 +102,10 @@ def main() -> None:
     args = parser.parse_args()
     model, tokenizer, drafter = mlx_dspark.load()
     if args.draft_model is not None:
-        drafter = mlx_dspark.load_drafter(args.draft_model, model)
+        try:
+            drafter = mlx_dspark.load_drafter(args.draft_model, model)
+        except DSparkError as error:
+            parser.error(str(error))
     sets = held_out_sets(tokenizer, args.prompts, args.prefix_tokens)
     print(f"prompts: {', '.join(f'{k} {len(v)}' for k, v in sets.items())}")
     # warm up both paths (the default policy measures this machine once)

