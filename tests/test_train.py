@@ -951,6 +951,18 @@ def grown_from(
     return source, grown
 
 
+def assert_biases_as_before(source, grown):
+    """``grown``'s sequential head biases the drafts, and its confidence head
+    scores them, as ``source``'s do; returns the inputs and the bias."""
+    prev = mx.array([[5, 7, 11, 2, 9]])
+    hidden = mx.random.normal((1, 5, grown.config.hidden_size), key=mx.random.key(3))
+    want = source.markov_head.block_bias(prev, hidden)
+    assert mx.allclose(grown.markov_head.block_bias(prev, hidden), want, atol=1e-5)
+    want_confidence = source.confidence(hidden, prev)
+    assert mx.allclose(grown.confidence(hidden, prev), want_confidence, atol=1e-5)
+    return prev, hidden, want
+
+
 def test_init_from_a_shallower_drafter_grows_it(setup):
     """--layers above the --init-from drafter's adds layers on top, started
     from the target's with zeroed output projections: the grown drafter
@@ -993,12 +1005,7 @@ def test_init_from_a_lower_markov_rank_grows_the_head(setup):
     assert head.markov_w1.weight.shape[1] == 32
     assert mx.all(head.markov_w1.weight[:, 16:] != 0).item()
     assert not mx.any(head.markov_w2.weight[:, 16:]).item()
-    prev = mx.array([[5, 7, 11, 2, 9]])
-    hidden = mx.random.normal((1, 5, grown.config.hidden_size), key=mx.random.key(3))
-    want_bias = source.markov_head.block_bias(prev, hidden)
-    want_confidence = source.confidence(hidden, prev)
-    assert mx.allclose(head.block_bias(prev, hidden), want_bias, atol=1e-5)
-    assert mx.allclose(grown.confidence(hidden, prev), want_confidence, atol=1e-5)
+    prev, hidden, want_bias = assert_biases_as_before(source, grown)
     kept, new = head.markov_w2.weight[:, :16], head.markov_w2.weight[:, 16:]
     head.markov_w2.weight = mx.concatenate([kept, mx.ones_like(new)], axis=1)
     assert not mx.allclose(head.block_bias(prev, hidden), want_bias, atol=1e-3)
@@ -1021,12 +1028,7 @@ def test_init_from_a_vanilla_head_grows_it_into_a_wider_gated_head(setup, vanill
     """A vanilla head grows into a gated head of a larger rank too (the
     shape check allows both at once): it biases the drafts as before."""
     source, grown = grown_from(setup, vanilla16.out, 1, 32, markov_head="gated")
-    prev = mx.array([[5, 7, 11, 2, 9]])
-    hidden = mx.random.normal((1, 5, grown.config.hidden_size), key=mx.random.key(3))
-    want = source.markov_head.block_bias(prev, hidden)
-    assert mx.allclose(grown.markov_head.block_bias(prev, hidden), want, atol=1e-5)
-    want_confidence = source.confidence(hidden, prev)
-    assert mx.allclose(grown.confidence(hidden, prev), want_confidence, atol=1e-5)
+    assert_biases_as_before(source, grown)
 
 
 def test_init_from_a_vanilla_head_grows_it_into_a_gated_head(setup, vanilla16):
@@ -1036,12 +1038,7 @@ def test_init_from_a_vanilla_head_grows_it_into_a_gated_head(setup, vanilla16):
     target_dir = setup[1]
     first = vanilla16
     source, grown = grown_from(setup, first.out, 1, 16, markov_head="gated")
-    prev = mx.array([[5, 7, 11, 2, 9]])
-    hidden = mx.random.normal((1, 5, grown.config.hidden_size), key=mx.random.key(3))
-    want = source.markov_head.block_bias(prev, hidden)
-    assert mx.allclose(grown.markov_head.block_bias(prev, hidden), want, atol=1e-5)
-    want_confidence = source.confidence(hidden, prev)
-    assert mx.allclose(grown.confidence(hidden, prev), want_confidence, atol=1e-5)
+    assert_biases_as_before(source, grown)
 
     result = train(
         base_args(
