@@ -6,9 +6,10 @@ Held-out sets: chat-like questions (chat template), CPython standard-library
 modules excluded from training (``crc32(relative path) % 10 == 0``: code
 continuation) and docstrings of those modules (prose continuation). Reports
 the mean accepted length (tokens per round, accepted drafts + 1) at T=0 and
-T=1 with 7 drafts per round, and per set the greedy tok/s of the pair with no
+T=1 with 7 drafts per round, and per set the tok/s of the pair with no
 DSpark arguments (the default policy) vs the target alone (mlx-lm),
-interleaved prompt by prompt in the same process.
+interleaved prompt by prompt in the same process: greedy, or sampled at
+``--temp`` (prompt i with seed i on both sides).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 import mlx_dspark  # first: it loads a system OpenBLAS before mlx.core
 
 # isort: on
+import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 from mlx_lm.sample_utils import make_sampler
@@ -99,7 +101,15 @@ def main() -> None:
         default=True,
         help="time the pair with no DSpark arguments against SmolLM2 alone",
     )
+    parser.add_argument(
+        "--temp",
+        type=float,
+        default=0.0,
+        help="sampling temperature of the timed runs (default greedy)",
+    )
     args = parser.parse_args()
+    if args.temp < 0:
+        parser.error("--temp must be >= 0.")
     model, tokenizer, drafter = mlx_dspark.load()
     if args.draft_model is not None:
         try:
@@ -121,10 +131,12 @@ def main() -> None:
                 )
     if args.speed:
         for name, prompts in sets.items():
-            pair, alone = speed(model, tokenizer, drafter, prompts, args.max_tokens)
+            pair, alone = speed(
+                model, tokenizer, drafter, prompts, args.max_tokens, args.temp
+            )
             print(
-                f"T=0 {name:5s}: tok/s (incl. prefill) SmolLM2 alone {alone:.1f}, "
-                f"pair with no flags {pair:.1f}, ratio {pair / alone:.2f}"
+                f"T={args.temp:g} {name:5s}: tok/s (incl. prefill) SmolLM2 alone "
+                f"{alone:.1f}, pair with no flags {pair:.1f}, ratio {pair / alone:.2f}"
             )
 
 
@@ -149,20 +161,29 @@ def acceptance(model, tokenizer, drafter, prompts, temp, args) -> list[int]:
     return accepted
 
 
-def speed(model, tokenizer, drafter, prompts, max_tokens) -> tuple[float, float]:
-    """Greedy tok/s of the pair with no DSpark arguments and of mlx-lm alone,
-    prompt by prompt, interleaved."""
+def speed(
+    model, tokenizer, drafter, prompts, max_tokens: int, temp: float = 0.0
+) -> tuple[float, float]:
+    """tok/s of the pair with no DSpark arguments and of mlx-lm alone, prompt
+    by prompt, interleaved; prompt i samples with seed i on both sides."""
     pair_tokens = pair_time = base_tokens = base_time = 0.0
-    for prompt in prompts:
+    for seed, prompt in enumerate(prompts):
         tic = time.perf_counter()
         pair_tokens += len(
             list(
                 stream_generate(
-                    model, tokenizer, drafter, prompt, max_tokens=max_tokens
+                    model,
+                    tokenizer,
+                    drafter,
+                    prompt,
+                    max_tokens=max_tokens,
+                    temperature=temp,
+                    seed=seed,
                 )
             )
         )
         pair_time += time.perf_counter() - tic
+        mx.random.seed(seed)
         tic = time.perf_counter()
         base_tokens += len(
             list(
@@ -171,7 +192,7 @@ def speed(model, tokenizer, drafter, prompts, max_tokens) -> tuple[float, float]
                     tokenizer,
                     prompt,
                     max_tokens=max_tokens,
-                    sampler=make_sampler(0.0),
+                    sampler=make_sampler(temp),
                 )
             )
         )

@@ -23,7 +23,7 @@ import numpy as np
 from .drafter import DraftCache, DSparkDrafter, Proposal
 from .lookup import continuation, offers
 from .modes import ChainMode, RoundMode
-from .sampling import SamplingParams, log_probs, sample
+from .sampling import SamplingParams, probabilities, sample
 from .scheduler import threshold_cut
 from .target import TargetAdapter
 from .verify import draw
@@ -156,7 +156,7 @@ def first_token(
 ) -> int:
     if params.greedy:
         return int(mx.argmax(logits).item())
-    return draw(np.exp(np.array(log_probs(logits, params), dtype=np.float64)), rng)
+    return draw(probabilities(logits, params), rng)
 
 
 def speculative_generate_step(

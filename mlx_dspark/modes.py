@@ -67,7 +67,7 @@ import mlx.core as mx
 import numpy as np
 
 from .drafter import DSparkDrafter, Proposal, point_mass
-from .sampling import SamplingParams, log_probs
+from .sampling import SamplingParams, log_probs, probabilities
 from .target import TargetAdapter
 from .verify import Verdict, draw, rejection_step, verdict, without
 
@@ -443,13 +443,13 @@ class TreeMode:
     ) -> tuple[list[int], int]:
         path, u = [0], 0
         while True:
-            p = np.exp(np.array(log_probs(logits[u], params), dtype=np.float64))
+            p = probabilities(logits[u], params)
             if not children[u]:
                 return path, draw(p, rng)
             # Every child of u was drawn from the same row, the one of its
             # first child (proposal index keep[c] - 1).
             row = draft_logits[keep[children[u][0]] - 1]
-            q = np.exp(np.array(log_probs(row, params), dtype=np.float64))
+            q = probabilities(row, params)
             for c in children[u]:
                 accepted, p, q = self.rejection_step(p, q, tokens[c], rng)
                 if accepted:

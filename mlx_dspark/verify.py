@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .sampling import SamplingParams, log_probs
+from .sampling import SamplingParams, probabilities
 
 
 @dataclass
@@ -74,19 +74,16 @@ def accept_sampled(
 
     On the first rejection the next token is drawn from ``max(p_i - q_i, 0)``;
     if every draft survives it is drawn from the target's row after them.
+    Rows are processed only as far as the walk reads them: most rounds stop
+    at their first or second draft.
     """
-    n = len(drafts)
-    p = np.exp(np.array(log_probs(target_logits, params), dtype=np.float64))
-    q = (
-        np.exp(np.array(log_probs(draft_logits, params), dtype=np.float64))
-        if n
-        else None
-    )
-    for i in range(n):
-        kept, rest = rejection_step(p[i], q[i], drafts[i], rng)
+    for i, x in enumerate(drafts):
+        p = probabilities(target_logits[i], params)
+        kept, rest = rejection_step(p, probabilities(draft_logits[i], params), x, rng)
         if not kept:
             return Verdict(i, draw(rest, rng))
-    return Verdict(n, draw(p[n], rng))
+    n = len(drafts)
+    return Verdict(n, draw(probabilities(target_logits[n], params), rng))
 
 
 def verdict(

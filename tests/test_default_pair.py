@@ -181,3 +181,11 @@ def test_eval_default_pair_refuses_a_missing_drafter(monkeypatch, capsys):
         eval_default_pair.main()
     assert exit_info.value.code == 2
     assert "no-such-drafter does not exist" in capsys.readouterr().err
+
+
+def test_eval_default_pair_refuses_a_negative_temperature(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["eval_default_pair.py", "--temp", "-0.5"])
+    with pytest.raises(SystemExit) as exit_info:
+        eval_default_pair.main()
+    assert exit_info.value.code == 2
+    assert "--temp must be >= 0." in capsys.readouterr().err

@@ -226,8 +226,12 @@ class FixedDraftTree(TreeMode):
 
 @pytest.mark.parametrize("head", ["vanilla", "rnn"])
 def test_tree_sampling_exact(pair_factory, head):
+    # At sharpness 0.6 the RNN head's drafts are so peaked that about 1% of
+    # its trees have siblings, and a path through one came down to one seed
+    # of 2,000; at 0.45 several seeds take one.
+    sharpness = 0.45 if head == "rnn" else 0.6
     model, _, drafter, *_ = pair_factory(
-        markov_head_type=head, sharpness=0.6, block_size=4
+        markov_head_type=head, sharpness=sharpness, block_size=4
     )
     params = SamplingParams(temperature=1.0)
     joint = exact_joint(model, params)
