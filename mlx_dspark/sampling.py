@@ -118,8 +118,7 @@ def processed_logits(logits: mx.array, params: SamplingParams) -> mx.array:
     0.7 ms, a sizeable share of a sampled round."""
     logits = logits.astype(mx.float32)
     if 0.0 < params.top_p < 1.0:
-        logits = _normalise(logits)
-        logits = _top_p(logits, params.top_p)
+        logits = _top_p(_normalise(logits), params.top_p)
     if params.min_p > 0.0:
         logits = _min_p(logits, params.min_p, params.min_tokens_to_keep)
     chance = params.xtc_probability

@@ -1036,13 +1036,12 @@ def test_init_from_a_vanilla_head_grows_it_into_a_gated_head(setup, vanilla16):
     factors: the grown head biases the drafts exactly as the vanilla one did,
     training moves the gate, and the way back to vanilla is refused."""
     target_dir = setup[1]
-    first = vanilla16
-    source, grown = grown_from(setup, first.out, 1, 16, markov_head="gated")
+    source, grown = grown_from(setup, vanilla16.out, 1, 16, markov_head="gated")
     assert_biases_as_before(source, grown)
 
     result = train(
         base_args(
-            setup, "gated", steps=4, markov_head="gated", init_from=str(first.out)
+            setup, "gated", steps=4, markov_head="gated", init_from=str(vanilla16.out)
         )
     )
     trained = load(target_dir, result.out)[2].markov_head

@@ -4,11 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_dspark.sampling import (
-    SamplingParams,
-    log_probs,
-    probabilities,
-)
+from mlx_dspark.sampling import SamplingParams, log_probs, probabilities
 from mlx_dspark.verify import Verdict, accept_sampled, draw, rejection_step, without
 
 
