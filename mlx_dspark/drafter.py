@@ -10,16 +10,17 @@ recomputed each round and never stored.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .config import DraftConfig
 from .heads import ConfidenceHead, build_markov_head
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, processed_logits
 
 
 @dataclass
@@ -42,9 +43,13 @@ class DraftCache:
 class Proposal:
     """Draft tokens for one round with the distributions they were drawn from.
 
+    ``logits`` holds one row over the target vocabulary per draft: greedy,
+    the TSH-corrected logits it was taken from; sampled, the processed
+    log-weights (:func:`~mlx_dspark.sampling.processed_logits`, unnormalised)
+    it was drawn from, which verification reads as they are.
     ``top_logprob[:, k]`` is the drafter's own log-probability (before any
     copy bias and sampling temperature) of the most likely token of
-    ``logits[:, k]``: without context copying, the largest log-probability of
+    draft ``k``'s row: without context copying, the largest log-probability of
     that row. ``copied[:, k]`` says whether row ``k`` carried the copy bias.
     Both describe draft ``k``'s distribution, not the token drawn from it, so
     a scheduler may read them before deciding to verify draft ``k``.
@@ -459,12 +464,12 @@ class DSparkDrafter(nn.Module):
         """Sample ``n`` drafts left to right through the sequential head.
 
         ``hidden`` is ``[B, block, d]``; ``anchor`` is ``[B]``. The returned
-        logits are the TSH-corrected ones the drafts were drawn from, over the
-        target vocabulary (a reduced draft vocabulary is scattered into it).
-        Greedy drafts are taken from the draft-vocabulary rows directly, so
-        their full-vocabulary logits are left unevaluated until a consumer
-        reads them. ``confidence=False`` skips the confidence head and the
-        top log-probabilities the calibration reads beside it.
+        rows are those the drafts were drawn from (see :class:`Proposal`),
+        over the target vocabulary (a reduced draft vocabulary is scattered
+        into it). Greedy drafts are taken from the draft-vocabulary rows
+        directly, so their full-vocabulary logits are left unevaluated until
+        a consumer reads them. ``confidence=False`` skips the confidence head
+        and the top log-probabilities the calibration reads beside it.
 
         ``copy`` ``[B, >= n]`` holds target ids copied from the context
         (:func:`~mlx_dspark.lookup.continuation`, -1 for none): draft ``k``'s
@@ -477,7 +482,6 @@ class DSparkDrafter(nn.Module):
         """
         hidden = hidden[:, :n]
         base = self.logits(hidden)
-        keys = [None] * n if key is None else list(mx.random.split(key, n))
         if copy is not None and self.config.context_copy_bias:
             copy = copy[:, :n].astype(mx.int32)
         else:
@@ -487,33 +491,31 @@ class DSparkDrafter(nn.Module):
             if params.greedy:
                 tokens = self.draft_ids_to_target(base)
             else:
-                tokens = mx.stack(
-                    [
-                        sample(self.to_target(base[:, k]), params, keys[k])
-                        for k in range(n)
-                    ],
-                    axis=1,
-                )
+                drawn = self._processed(base, params)
+                tokens = self._draw(drawn, key)
         elif params.greedy:
             chain = self._compiled_chain or self.greedy_chain
             tokens, rows = chain(
                 base, hidden, anchor, copy, self._copy_bias(copy, base.dtype)
             )
         else:
+            keys = [None] * n if key is None else list(mx.random.split(key, n))
             state = self._head_state(anchor)
-            prev, following, tokens, rows = anchor, None, [], []
+            prev, following, tokens, rows, drawn = anchor, None, [], [], []
             bias = self._copy_bias(copy, base.dtype)
             for k in range(n):
                 state, row, following, outside = self._draft_row(
                     base, hidden, k, state, prev, copy, following, bias
                 )
-                prev = sample(self.to_target(row), params, keys[k])
+                drawn.append(self._processed(row, params))
+                prev = self._draw(drawn[-1], keys[k])
                 if outside is not None:
                     prev = mx.where(outside, copy[:, k], prev)
                 tokens.append(prev)
                 rows.append(row)
             tokens, rows = mx.stack(tokens, axis=1), mx.stack(rows, axis=1)
-        corrected = self.to_target(rows)
+            drawn = mx.stack(drawn, axis=1)
+        corrected = self.to_target(rows if params.greedy else drawn)
         if copy is not None:
             hits, outside = self._copy_hits(tokens, copy)
             masses = point_mass(copy, corrected.shape[-1], corrected.dtype)
@@ -535,6 +537,26 @@ class DSparkDrafter(nn.Module):
             top_logprob=own_logprob,
             copied=hits.any(axis=-1) | outside,
         )
+
+    def _processed(self, rows: mx.array, params: SamplingParams) -> mx.array:
+        """The processed log-weights of draft-vocabulary ``rows``.
+
+        Processing the short rows costs a fraction of the full ones (a top-p
+        sort over 4,096 tokens instead of 49,152), and tokens outside the
+        draft vocabulary have probability 0 either way; the drafts are
+        verified against these very weights, so sampling stays exact.
+        """
+        special = params.xtc_special_tokens
+        if self.config.reduced_vocab and special:
+            ids = np.array(self.draft_to_target)
+            inside = np.flatnonzero(np.isin(ids, special))
+            params = replace(params, xtc_special_tokens=tuple(inside.tolist()))
+        return processed_logits(rows, params)
+
+    def _draw(self, weights: mx.array, key: mx.array | None) -> mx.array:
+        """A target id per row of draft-vocabulary log-weights."""
+        index = mx.random.categorical(weights, key=key)
+        return self.draft_to_target[index] if self.config.reduced_vocab else index
 
     def _head_state(self, anchor: mx.array) -> mx.array | None:
         head = self.markov_head

@@ -67,7 +67,7 @@ import mlx.core as mx
 import numpy as np
 
 from .drafter import DSparkDrafter, Proposal, point_mass
-from .sampling import SamplingParams, log_probs, probabilities
+from .sampling import SamplingParams, log_probs, normalised, probabilities
 from .target import TargetAdapter
 from .verify import Verdict, draw, rejection_step, verdict, without
 
@@ -203,7 +203,7 @@ class _Node:
     cum: float  # cumulative draft probability of the root path
     state: mx.array | None = None  # sequential-head state on input
     child_state: mx.array | None = None  # the state its children start from
-    row: mx.array | None = None  # TSH-corrected logits of its children
+    row: mx.array | None = None  # its children's row (see Proposal.logits)
     candidates: np.ndarray | None = None
     probs: np.ndarray | None = None  # draft probability of each candidate
     taken: int = 0
@@ -268,7 +268,7 @@ class TreeMode:
         order, probs = np.array(order), np.array(probs, dtype=np.float64)
         for j, i in enumerate(pending):
             node = nodes[i]
-            node.row = rows[j]
+            node.row = rows[j] if params.greedy else logq[j]
             support = int(np.count_nonzero(probs[j] > 0))
             node.candidates, node.probs = order[j, :support], probs[j, :support]
             node.child_state = None if state is None else state[j]
@@ -339,8 +339,9 @@ class TreeMode:
         copy: mx.array | None = None,
     ) -> Proposal:
         """A tree as a proposal: ``tokens[0, i]`` is node ``i + 1`` of the
-        tree whose node 0 is the anchor; ``logits[0, i]`` the TSH-corrected
-        row it was drawn from; ``extra['parents'][i]`` its parent's index.
+        tree whose node 0 is the anchor; ``logits[0, i]`` the row it was
+        drawn from (see :class:`~mlx_dspark.drafter.Proposal`);
+        ``extra['parents'][i]`` its parent's index.
         Trees do not copy from the context."""
         nodes, base = self.build(
             drafter, hidden, int(anchor[0].item()), cap, params, key
@@ -449,7 +450,7 @@ class TreeMode:
             # Every child of u was drawn from the same row, the one of its
             # first child (proposal index keep[c] - 1).
             row = draft_logits[keep[children[u][0]] - 1]
-            q = probabilities(row, params)
+            q = normalised(row)
             for c in children[u]:
                 accepted, p, q = self.rejection_step(p, q, tokens[c], rng)
                 if accepted:

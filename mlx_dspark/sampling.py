@@ -73,6 +73,7 @@ def _top_p(logprobs: mx.array, top_p: float) -> mx.array:
 def _min_p(logprobs: mx.array, min_p: float, keep: int = 1) -> mx.array:
     floor = logprobs.max(axis=-1, keepdims=True) + math.log(min_p)
     dropped = logprobs < floor
+    keep = min(keep, logprobs.shape[-1])
     if keep > 1:
         top = mx.argpartition(logprobs, kth=-keep, axis=-1)[..., -keep:]
         dropped = mx.put_along_axis(dropped, top, mx.array(False), axis=-1)
@@ -138,11 +139,16 @@ def log_probs(logits: mx.array, params: SamplingParams) -> mx.array:
     return _normalise(processed_logits(logits, params))
 
 
-def probabilities(logits: mx.array, params: SamplingParams) -> np.ndarray:
-    """:func:`log_probs` exponentiated, as float64 NumPy, normalised on the host."""
-    weights = np.array(processed_logits(logits, params), dtype=np.float64)
+def normalised(weights: mx.array) -> np.ndarray:
+    """Log-weights exponentiated and normalised on the host, in float64."""
+    weights = np.array(weights, dtype=np.float64)
     weights = np.exp(weights - weights.max(axis=-1, keepdims=True))
     return weights / weights.sum(axis=-1, keepdims=True)
+
+
+def probabilities(logits: mx.array, params: SamplingParams) -> np.ndarray:
+    """:func:`log_probs` exponentiated, as float64 NumPy, normalised on the host."""
+    return normalised(processed_logits(logits, params))
 
 
 def sample(logits: mx.array, params: SamplingParams, key: mx.array | None) -> mx.array:

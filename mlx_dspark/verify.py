@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .sampling import SamplingParams, probabilities
+from .sampling import SamplingParams, normalised, probabilities
 
 
 @dataclass
@@ -65,21 +65,23 @@ def accept_greedy(drafts: np.ndarray, target_logits: mx.array) -> Verdict:
 
 def accept_sampled(
     drafts: np.ndarray,
-    draft_logits: mx.array,
+    draft_weights: mx.array,
     target_logits: mx.array,
     params: SamplingParams,
     rng: np.random.Generator,
 ) -> Verdict:
     """Keep draft ``i`` with probability ``min(1, p_i(x) / q_i(x))``.
 
-    On the first rejection the next token is drawn from ``max(p_i - q_i, 0)``;
-    if every draft survives it is drawn from the target's row after them.
-    Rows are processed only as far as the walk reads them: most rounds stop
-    at their first or second draft.
+    ``draft_weights`` are the processed log-weights the drafts were drawn
+    from (a sampled :class:`~mlx_dspark.drafter.Proposal`'s rows); the
+    target's rows are processed here with ``params``. On the first rejection
+    the next token is drawn from ``max(p_i - q_i, 0)``; if every draft
+    survives it is drawn from the target's row after them. Rows are read only
+    as far as the walk goes: most rounds stop at their first or second draft.
     """
     for i, x in enumerate(drafts):
         p = probabilities(target_logits[i], params)
-        kept, rest = rejection_step(p, probabilities(draft_logits[i], params), x, rng)
+        kept, rest = rejection_step(p, normalised(draft_weights[i]), x, rng)
         if not kept:
             return Verdict(i, draw(rest, rng))
     n = len(drafts)
@@ -88,11 +90,13 @@ def accept_sampled(
 
 def verdict(
     drafts: np.ndarray,
-    draft_logits: mx.array,
+    draft_rows: mx.array,
     target_logits: mx.array,
     params: SamplingParams,
     rng: np.random.Generator,
 ) -> Verdict:
+    """The chain's verdict; ``draft_rows`` are a proposal's rows (read only
+    when sampling, see :func:`accept_sampled`)."""
     if params.greedy:
         return accept_greedy(drafts, target_logits)
-    return accept_sampled(drafts, draft_logits, target_logits, params, rng)
+    return accept_sampled(drafts, draft_rows, target_logits, params, rng)

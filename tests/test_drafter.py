@@ -9,7 +9,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_dspark.config import DraftConfig
 from mlx_dspark.drafter import DSparkDrafter
-from mlx_dspark.sampling import SamplingParams
+from mlx_dspark.sampling import SamplingParams, log_probs, normalised
 
 D, V, LAYERS = 32, 40, 2
 
@@ -268,7 +268,7 @@ def test_fast_greedy_drafts_equal_full_row_argmax(head, reduced):
         assert mx.array_equal(no_confidence.tokens, proposal.tokens)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.7])
+@pytest.mark.parametrize("temperature", [0.0, 0.5])
 @pytest.mark.parametrize("reduced", [False, True], ids=["full-vocab", "reduced"])
 @pytest.mark.parametrize("head", ["vanilla", "rnn", None])
 def test_top_logprob_is_the_largest_log_probability_of_each_draft_row(
@@ -281,11 +281,49 @@ def test_top_logprob_is_the_largest_log_probability_of_each_draft_row(
     params = SamplingParams(temperature=temperature)
     key = None if params.greedy else mx.random.key(0)
     proposal = drafter.propose(hidden, anchor, 5, params, key)
-    rows = np.array(proposal.logits, dtype=np.float64)
+    # Sampled rows are the processed weights: at T=0.5 the logits times 2.
+    rows = np.array(proposal.logits, dtype=np.float64) * (temperature or 1.0)
     top = -np.log(np.exp(rows - rows.max(-1, keepdims=True)).sum(-1))
     assert proposal.top_logprob.shape == (2, 5)
     assert np.allclose(np.array(proposal.top_logprob), top, atol=1e-5)
     assert np.all(np.array(proposal.top_logprob) <= 0.0)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.2, top_p=0.7),
+        SamplingParams(temperature=1.0, min_p=0.1, min_tokens_to_keep=20),
+        SamplingParams(temperature=0.9, top_k=20),
+        SamplingParams(temperature=0.8, top_k=3),
+        SamplingParams(temperature=1.0, xtc_probability=0.5, xtc_threshold=0.02),
+        SamplingParams(
+            temperature=1.0,
+            xtc_probability=1.0,
+            xtc_threshold=0.02,
+            xtc_special_tokens=(0, 1, 2, 3, 4, 5),
+        ),
+    ],
+    ids=["temp", "top-p", "min-p-keep", "top-k-wide", "top-k", "xtc", "xtc-special"],
+)
+@pytest.mark.parametrize("reduced", [False, True], ids=["full-vocab", "reduced"])
+def test_sampled_rows_are_the_processed_distribution_of_the_drafts_logits(
+    params, reduced
+):
+    """A reduced drafter processes its short rows; what it draws from is the
+    distribution processing the full target-vocabulary rows gives (XTC's
+    special tokens inside and outside the draft vocabulary, a top-k and a
+    min-p keep wider than it)."""
+    drafter = head_drafter(None, reduced, 3)
+    hidden, anchor = two_blocks(drafter)
+    proposal = drafter.propose(hidden, anchor, 4, params, mx.random.key(0))
+    full = drafter.to_target(drafter.logits(hidden[:, :4]))
+    expected = np.exp(np.array(log_probs(full, params), dtype=np.float64))
+    assert np.allclose(normalised(proposal.logits), expected, atol=1e-6)
+    if reduced:
+        ids = set(np.array(drafter.draft_to_target).tolist())
+        assert ids & {0, 1, 2, 3, 4, 5} and {0, 1, 2, 3, 4, 5} - ids
 
 
 @pytest.mark.parametrize("reduced", [False, True], ids=["full-vocab", "reduced"])

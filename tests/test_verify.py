@@ -4,7 +4,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_dspark.sampling import SamplingParams, log_probs, probabilities
+from mlx_dspark.sampling import (
+    SamplingParams,
+    log_probs,
+    probabilities,
+    processed_logits,
+)
 from mlx_dspark.verify import Verdict, accept_sampled, draw, rejection_step, without
 
 
@@ -71,8 +76,9 @@ def test_host_probabilities_are_the_processed_distribution(params):
 
 
 def test_sampled_acceptance_walks_rows_as_all_rows_at_once_would():
-    """The walk processes a row when it reaches it; its verdicts equal those
-    of processing every row first, draw for draw of the same generator."""
+    """The walk processes a target row when it reaches it and reads the
+    drafts' processed log-weights as they are; its verdicts equal those of
+    processing every row first, draw for draw of the same generator."""
     params = SamplingParams(temperature=0.8, top_p=0.95)
     rng = np.random.default_rng(0)
     outcomes = set()
@@ -84,8 +90,9 @@ def test_sampled_acceptance_walks_rows_as_all_rows_at_once_would():
         drafts = np.array([draw(row, rng) for row in q], dtype=np.int64)
         target, draft = mx.array(target, mx.float32), mx.array(draft, mx.float32)
         seed = int(rng.integers(1 << 30))
+        weights = processed_logits(draft, params) if n else draft
         walked = accept_sampled(
-            drafts, draft, target, params, np.random.default_rng(seed)
+            drafts, weights, target, params, np.random.default_rng(seed)
         )
         assert walked == all_rows_first(drafts, draft, target, params, seed)
         outcomes.add((n, walked.accepted))
