@@ -1,8 +1,9 @@
 """Logit processing shared by the drafter and the target.
 
-Speculative sampling is exact only when draft and target distributions are
-processed the same way, so both go through :func:`processed_logits`. The filters
-follow mlx-lm's sampler: top-p, then min-p, then top-k on the untempered
+Drafts and the target go through the same processing (:func:`processed_logits`),
+so the drafter proposes from the distribution the target samples from; exactness
+needs only that verification reads the very weights a draft was drawn from. The
+filters follow mlx-lm's sampler: top-p, then min-p, then top-k on the untempered
 log-probabilities, then the temperature.
 """
 
