@@ -491,7 +491,7 @@ class DSparkDrafter(nn.Module):
             if params.greedy:
                 tokens = self.draft_ids_to_target(base)
             else:
-                drawn = self._processed(base, params)
+                drawn = processed_logits(base, self._in_draft_vocab(params))
                 tokens = self._draw(drawn, key)
         elif params.greedy:
             chain = self._compiled_chain or self.greedy_chain
@@ -500,6 +500,7 @@ class DSparkDrafter(nn.Module):
             )
         else:
             keys = [None] * n if key is None else list(mx.random.split(key, n))
+            draft_params = self._in_draft_vocab(params)
             state = self._head_state(anchor)
             prev, following, tokens, rows, drawn = anchor, None, [], [], []
             bias = self._copy_bias(copy, base.dtype)
@@ -507,7 +508,7 @@ class DSparkDrafter(nn.Module):
                 state, row, following, outside = self._draft_row(
                     base, hidden, k, state, prev, copy, following, bias
                 )
-                drawn.append(self._processed(row, params))
+                drawn.append(processed_logits(row, draft_params))
                 prev = self._draw(drawn[-1], keys[k])
                 if outside is not None:
                     prev = mx.where(outside, copy[:, k], prev)
@@ -538,20 +539,20 @@ class DSparkDrafter(nn.Module):
             copied=hits.any(axis=-1) | outside,
         )
 
-    def _processed(self, rows: mx.array, params: SamplingParams) -> mx.array:
-        """The processed log-weights of draft-vocabulary ``rows``.
+    def _in_draft_vocab(self, params: SamplingParams) -> SamplingParams:
+        """``params`` for processing draft-vocabulary rows: XTC's special
+        tokens as draft positions.
 
-        Processing the short rows costs a fraction of the full ones (a top-p
-        sort over 4,096 tokens instead of 49,152), and tokens outside the
-        draft vocabulary have probability 0 either way; the drafts are
-        verified against these very weights, so sampling stays exact.
+        Sampled drafts are drawn from their short rows processed (a top-p sort
+        over 4,096 tokens instead of 49,152); tokens outside the draft
+        vocabulary have probability 0 either way, and the drafts are verified
+        against these very weights, so sampling stays exact.
         """
         special = params.xtc_special_tokens
-        if self.config.reduced_vocab and special:
-            ids = np.array(self.draft_to_target)
-            inside = np.flatnonzero(np.isin(ids, special))
-            params = replace(params, xtc_special_tokens=tuple(inside.tolist()))
-        return processed_logits(rows, params)
+        if not (self.config.reduced_vocab and special):
+            return params
+        inside = np.flatnonzero(np.isin(np.array(self.draft_to_target), special))
+        return replace(params, xtc_special_tokens=tuple(inside.tolist()))
 
     def _draw(self, weights: mx.array, key: mx.array | None) -> mx.array:
         """A target id per row of draft-vocabulary log-weights."""
