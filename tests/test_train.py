@@ -141,9 +141,15 @@ def test_training_forward_equals_inference_forward(setup):
                 )
 
 
-def test_training_learns_and_output_is_lossless(setup):
+@pytest.fixture(scope="module")
+def vanilla_run(setup):
+    """The default recipe's drafter (vanilla head) trained on the structured target."""
+    return train(base_args(setup, "vanilla"))
+
+
+def test_training_learns_and_output_is_lossless(setup, vanilla_run):
     _, target_dir, model, tokenizer, _ = setup
-    result = train(base_args(setup, "vanilla"))
+    result = vanilla_run
     assert result.status == "done"
     first, last = result.history[0], result.history[-1]
     assert last[1] < 0.8 * first[1], (first, last)  # total loss
@@ -176,6 +182,47 @@ def test_training_learns_and_output_is_lossless(setup):
             for r in stream_generate(model2, tokenizer2, drafter, prompt, max_tokens=40)
         ]
         assert got == expected
+
+
+def test_rounds_accept_what_training_measures(setup, vanilla_run):
+    """Each greedy round keeps exactly the drafts the training forward predicts
+    at its anchor (teacher-forced greedy length, from one target forward over
+    the whole output): the loop feeds the drafter the features training does."""
+    _, target_dir, _, _, _ = setup
+    model, tokenizer, drafter = load(target_dir, vanilla_run.out)
+    target = TargetAdapter(model, drafter.config.target_layer_ids)
+    B = drafter.block_size
+    loop_kept, trained_kept = [], []
+    for prompt in PROMPTS:
+        responses = list(
+            stream_generate(
+                model,
+                tokenizer,
+                drafter,
+                prompt,
+                max_tokens=40,
+                num_draft=B,
+                scheduler="off",
+            )
+        )
+        tokens = [*prompt, *(r.token for r in responses)]
+        anchors, kept = [], []
+        anchor = len(prompt)  # the first token comes from the prefill
+        for round_ in responses[-1].stats.rounds:
+            if anchor + B < len(tokens):  # the whole block lies in the output
+                anchors.append(anchor)
+                kept.append(round_.accepted)
+            anchor += round_.accepted + 1
+        _, features = target.hidden(mx.array([tokens]), target.make_cache())
+        blocks = drafter.block_tokens(mx.array([tokens[a] for a in anchors]))
+        hidden = training_hidden(drafter, features, mx.array([anchors]), blocks[None])
+        prev = mx.array([tokens[a : a + B] for a in anchors])
+        guesses = drafter.draft_ids_to_target(draft_logits(drafter, hidden, prev))
+        labels = np.array([tokens[a + 1 : a + 1 + B] for a in anchors])
+        trained_kept += np.cumprod(np.array(guesses) == labels, axis=1).sum(1).tolist()
+        loop_kept += kept
+    assert loop_kept == trained_kept
+    assert 0 < np.mean(loop_kept) < B - 1 and min(loop_kept) < B, loop_kept
 
 
 @pytest.mark.parametrize("head", ["gated", "none"])
