@@ -222,7 +222,7 @@ def test_rounds_accept_what_training_measures(setup, vanilla_run):
         trained_kept += np.cumprod(np.array(guesses) == labels, axis=1).sum(1).tolist()
         loop_kept += kept
     assert loop_kept == trained_kept
-    assert 0 < np.mean(loop_kept) < B - 1 and min(loop_kept) < B, loop_kept
+    assert 0 in loop_kept and max(loop_kept) >= 3, loop_kept  # kept often, not always
 
 
 @pytest.mark.parametrize("head", ["gated", "none"])
