@@ -6,10 +6,11 @@ Held-out sets: chat-like questions (chat template), CPython standard-library
 modules excluded from training (``crc32(relative path) % 10 == 0``: code
 continuation) and docstrings of those modules (prose continuation). Reports
 the mean accepted length (tokens per round, accepted drafts + 1) at T=0 and
-T=1 with 7 drafts per round, and per set the tok/s of the pair with no
-DSpark arguments (the default policy) vs the target alone (mlx-lm),
-interleaved prompt by prompt in the same process: greedy, or sampled at
-``--temp`` (prompt i with seed i on both sides).
+T=1 with 7 drafts per round (T=1 pooled over ``--seeds`` sets of seeds: one
+set's figure moves by about 0.1 from set to set), and per set the tok/s of
+the pair with no DSpark arguments (the default policy) vs the target alone
+(mlx-lm), interleaved prompt by prompt in the same process: greedy, or
+sampled at ``--temp`` (prompt i with seed i on both sides).
 """
 
 from __future__ import annotations
@@ -102,6 +103,13 @@ def main() -> None:
         help="time the pair with no DSpark arguments against SmolLM2 alone",
     )
     parser.add_argument(
+        "--seeds",
+        type=int,
+        default=3,
+        help="seed sets the T=1 acceptance pools (set s samples prompt i with "
+        "seed s * prompts + i)",
+    )
+    parser.add_argument(
         "--temp",
         type=float,
         default=0.0,
@@ -110,6 +118,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.temp < 0:
         parser.error("--temp must be >= 0.")
+    if args.seeds < 1:
+        parser.error("--seeds must be at least 1.")
     model, tokenizer, drafter = mlx_dspark.load()
     if args.draft_model is not None:
         try:
@@ -141,9 +151,12 @@ def main() -> None:
 
 
 def acceptance(model, tokenizer, drafter, prompts, temp, args) -> list[int]:
-    """Accepted drafts of every round, 7 drafts a round."""
+    """Accepted drafts of every round, 7 drafts a round; sampled, over
+    ``args.seeds`` sets of seeds (greedy rounds do not depend on the seed)."""
+    sets = args.seeds if temp > 0 else 1
     accepted = []
-    for i, prompt in enumerate(prompts):
+    for seed in range(sets * len(prompts)):
+        prompt = prompts[seed % len(prompts)]
         responses = list(
             stream_generate(
                 model,
@@ -152,7 +165,7 @@ def acceptance(model, tokenizer, drafter, prompts, temp, args) -> list[int]:
                 prompt,
                 max_tokens=args.max_tokens,
                 temperature=temp,
-                seed=i,
+                seed=seed,
                 num_draft=7,
                 scheduler="off",
             )

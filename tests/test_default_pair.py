@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
@@ -189,3 +190,28 @@ def test_eval_default_pair_refuses_a_negative_temperature(monkeypatch, capsys):
         eval_default_pair.main()
     assert exit_info.value.code == 2
     assert "--temp must be >= 0." in capsys.readouterr().err
+
+
+def test_eval_default_pair_refuses_no_seeds(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["eval_default_pair.py", "--seeds", "0"])
+    with pytest.raises(SystemExit) as exit_info:
+        eval_default_pair.main()
+    assert exit_info.value.code == 2
+    assert "--seeds must be at least 1." in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("temp, seeds", [(0.0, [0, 1]), (1.0, [0, 1, 2, 3, 4, 5])])
+def test_eval_default_pair_pools_seed_sets_when_sampling(monkeypatch, temp, seeds):
+    calls = []
+
+    def fake_stream_generate(model, tokenizer, drafter, prompt, **kwargs):
+        calls.append((prompt, kwargs["seed"], kwargs["temperature"]))
+        rounds = [SimpleNamespace(accepted=kwargs["seed"])]
+        yield SimpleNamespace(stats=SimpleNamespace(rounds=rounds))
+
+    monkeypatch.setattr(eval_default_pair, "stream_generate", fake_stream_generate)
+    args = SimpleNamespace(seeds=3, max_tokens=8)
+    accepted = eval_default_pair.acceptance(None, None, None, ["a", "b"], temp, args)
+    assert accepted == seeds
+    assert [prompt for prompt, _, _ in calls] == ["a", "b"] * (len(seeds) // 2)
+    assert {t for _, _, t in calls} == {temp}
