@@ -2,6 +2,7 @@
 that mixing plain rounds into the loop keeps generation lossless."""
 
 import itertools
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
@@ -17,7 +18,7 @@ from test_sampling import (
 )
 from test_schedint import fitted
 
-from mlx_dspark import stream_generate
+from mlx_dspark import loop, stream_generate
 from mlx_dspark.adaptive import AdaptivePolicy
 from mlx_dspark.benchmark import randomize_weights
 from mlx_dspark.drafter import Proposal
@@ -388,7 +389,15 @@ def test_greedy_identical_with_plain_rounds_mixed_in(pair_factory, pattern, bias
         assert {r.drafted == 0 for r in stats.rounds} == {True, False}
 
 
-def test_default_policy_with_copying_is_lossless_and_knows_the_copies(pair_factory):
+def test_default_policy_with_copying_is_lossless_and_knows_the_copies(
+    pair_factory, monkeypatch
+):
+    # Each reading of the loop's clock advances it by 1 ms: a round's measured
+    # cost depends on its kind, not on the machine's load, so the policy's
+    # choices (how far copied rounds reach) are the same on every run.
+    readings = itertools.count()
+    clock = SimpleNamespace(perf_counter=lambda: next(readings) * 1e-3)
+    monkeypatch.setattr(loop, "time", clock)
     model, tokenizer, drafter, *_ = pair_factory(block_size=8)
     offered, longest = [], 0
     for prompt in (
