@@ -184,20 +184,21 @@ def test_eval_default_pair_refuses_a_missing_drafter(monkeypatch, capsys):
     assert "no-such-drafter does not exist" in capsys.readouterr().err
 
 
-def test_eval_default_pair_refuses_a_negative_temperature(monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["eval_default_pair.py", "--temp", "-0.5"])
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--temp", "-0.5", "--temp must be >= 0."),
+        ("--seeds", "0", "--seeds must be at least 1."),
+    ],
+)
+def test_eval_default_pair_refuses_a_bad_number(
+    monkeypatch, capsys, flag, value, message
+):
+    monkeypatch.setattr(sys, "argv", ["eval_default_pair.py", flag, value])
     with pytest.raises(SystemExit) as exit_info:
         eval_default_pair.main()
     assert exit_info.value.code == 2
-    assert "--temp must be >= 0." in capsys.readouterr().err
-
-
-def test_eval_default_pair_refuses_no_seeds(monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["eval_default_pair.py", "--seeds", "0"])
-    with pytest.raises(SystemExit) as exit_info:
-        eval_default_pair.main()
-    assert exit_info.value.code == 2
-    assert "--seeds must be at least 1." in capsys.readouterr().err
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("temp, seeds", [(0.0, [0, 1]), (1.0, [0, 1, 2, 3, 4, 5])])
