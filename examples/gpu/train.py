@@ -217,10 +217,15 @@ def main() -> None:
             flush=True,
         )
         return
+    if not args.parts:
+        parser.error("--parts is required: pack.py's part-a,part-b (or --stash)")
+    parts = args.parts.split(",")
+    missing = [str(p) for p in (*parts, args.data) if not Path(p).is_dir()]
+    if missing:
+        parser.error(f"not a folder of pack.py's output: {', '.join(missing)}")
     run = Run(args.out)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.backends.cuda.matmul.allow_tf32 = False
-    parts = args.parts.split(",")
     meta = json.loads((args.data / "meta.json").read_text())
     seq_len = meta["seq_len"]
     weights = read_parts(parts)
