@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from codec import unpack
+from torch_target import rms_norm
 
 CE_WEIGHT, TV_WEIGHT, CONF_WEIGHT = 0.1, 0.9, 1.0
 
@@ -43,10 +44,6 @@ def read_drafter(path: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
         q = q.reshape(*scales.shape, -1)
         out[name] = (q * scales[..., None] + biases[..., None]).reshape(len(q), -1)
     return config, out
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:

@@ -87,7 +87,13 @@ def user_turns(target, tokenizer, meta, run, seconds, batch, generator) -> list[
     while not sampled or time.time() < stop:
         tic = time.time()
         turns = generate(
-            target, [meta["user_prefix"]] * batch, 64, 1.0, {2}, batch, generator
+            target,
+            [meta["user_prefix"]] * batch,
+            64,
+            1.0,
+            set(meta["stop"]),
+            batch,
+            generator,
         )
         sampled += len(turns)
         for turn in turns:
@@ -112,7 +118,7 @@ def user_turns(target, tokenizer, meta, run, seconds, batch, generator) -> list[
     return [q for q in questions if q not in near]
 
 
-def answered(target, prompts, max_tokens, seconds, batch, run, kind):
+def answered(target, prompts, max_tokens, stop_ids, seconds, batch, run, kind):
     """``(tokens, loss_mask, kind)`` of each prompt answered before the time is up."""
     sequences = []
     stop = time.time() + seconds
@@ -122,7 +128,9 @@ def answered(target, prompts, max_tokens, seconds, batch, run, kind):
         tic = time.time()
         chunk = prompts[first : first + batch]
         for prompt, answer in zip(
-            chunk, generate(target, chunk, max_tokens, 0.0, {2}, batch), strict=True
+            chunk,
+            generate(target, chunk, max_tokens, 0.0, stop_ids, batch),
+            strict=True,
         ):
             mask = np.zeros(len(prompt) + len(answer), bool)
             mask[len(prompt) :] = True
@@ -261,6 +269,7 @@ def main() -> None:
         target,
         prompts,
         meta["answer_tokens"],
+        set(meta["stop"]),
         args.answer_seconds,
         args.gen_batch,
         run,
@@ -279,6 +288,7 @@ def main() -> None:
         target,
         beginnings,
         meta["continuation_tokens"],
+        set(meta["stop"]),
         args.continue_seconds,
         args.gen_batch,
         run,
@@ -348,7 +358,7 @@ def main() -> None:
                 for i, drafter in enumerate(drafters):
                     _, values = td.loss_terms(drafter, *taught, batch)
                     terms.setdefault(f"d{i}_{kind}", []).append(
-                        [v.item() for v in values]
+                        torch.stack(values).tolist()
                     )
         run.log(
             event="validation",
@@ -386,7 +396,7 @@ def main() -> None:
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            values.append([loss.item(), *(t.item() for t in terms)])
+            values.append(torch.stack([loss.detach(), *terms]).tolist())
         torch.backends.cuda.matmul.allow_tf32 = False
         step += 1
         recent.append(values)
