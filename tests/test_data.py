@@ -218,6 +218,10 @@ def test_every_stage_trains_on_answers_no_other_stage_saw():
     assert len(set(continued)) == len(continued)
     for name in continued:
         assert (recipe.CONTINUATION_DIR / f"{name}.jsonl.gz").exists(), name
+    requests = [n for s in recipe.LATER_STAGES for n in s.requests]
+    assert len(set(requests)) == len(requests)
+    for name in requests:
+        assert (recipe.REQUESTS_DIR / f"{name}.jsonl.gz").exists(), name
 
 
 def test_committed_continuations_are_plain_text_beginnings():
