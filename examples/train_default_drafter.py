@@ -164,7 +164,7 @@ class Stage:
 # last answers and the text after stage 7's, from stage 6, nine epochs at 3e-4
 # with the Markov head grown to rank 256; training tau rose to 1.97, validation
 # tau fell to 1.85, and held-out it is stage 6 within 0.06 at twice the size.
-# Stage 9, not shipped: 2,907 of the target's answers to its own user turns
+# Stage 9, not shipped: 2,737 of the target's answers to its own user turns
 # and the text after stage 8's, from stage 6, at 1e-3; held-out it is stage 6
 # within 0.07 (chat T=0 1.73 against 1.66).
 LATER_STAGES = (
