@@ -210,18 +210,18 @@ def test_committed_prompt_list_and_answers():
 
 
 def test_every_stage_trains_on_answers_no_other_stage_saw():
-    names = [*recipe.FIRST_SHARDS, *(n for s in recipe.LATER_STAGES for n in s.shards)]
-    assert len(set(names)) == len(names)
-    for name in names:
-        assert (recipe.REGEN_DIR / f"{name}.jsonl.gz").exists(), name
-    continued = [n for s in recipe.LATER_STAGES for n in s.continued]
-    assert len(set(continued)) == len(continued)
-    for name in continued:
-        assert (recipe.CONTINUATION_DIR / f"{name}.jsonl.gz").exists(), name
-    requests = [n for s in recipe.LATER_STAGES for n in s.requests]
-    assert len(set(requests)) == len(requests)
-    for name in requests:
-        assert (recipe.REQUESTS_DIR / f"{name}.jsonl.gz").exists(), name
+    stages = recipe.LATER_STAGES
+    for folder, names in (
+        (
+            recipe.REGEN_DIR,
+            [*recipe.FIRST_SHARDS, *(n for s in stages for n in s.shards)],
+        ),
+        (recipe.CONTINUATION_DIR, [n for s in stages for n in s.continued]),
+        (recipe.REQUESTS_DIR, [n for s in stages for n in s.requests]),
+    ):
+        assert len(set(names)) == len(names), folder
+        for name in names:
+            assert (folder / f"{name}.jsonl.gz").exists(), name
 
 
 def test_committed_continuations_are_plain_text_beginnings():

@@ -81,7 +81,9 @@ class Run:
         (self.out / "log.json").write_text(json.dumps(self.events))
 
 
-def user_turns(target, tokenizer, meta, run, seconds, batch, generator) -> list[str]:
+def user_turns(
+    target, tokenizer, meta, stop_ids, run, seconds, batch, generator
+) -> list[str]:
     questions, sampled = [], 0
     stop = time.time() + seconds
     while not sampled or time.time() < stop:
@@ -91,13 +93,13 @@ def user_turns(target, tokenizer, meta, run, seconds, batch, generator) -> list[
             [meta["user_prefix"]] * batch,
             64,
             1.0,
-            set(meta["stop"]),
+            stop_ids,
             batch,
             generator,
         )
         sampled += len(turns)
         for turn in turns:
-            if turn[-1:] != meta["stop"]:
+            if not turn or turn[-1] not in stop_ids:
                 continue
             text = tokenizer.decode(turn[:-1]).strip()
             if (
@@ -252,8 +254,16 @@ def main() -> None:
         device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
     )
 
+    stop_ids = set(meta["stop"])
     questions = user_turns(
-        target, tokenizer, meta, run, args.user_seconds, args.gen_batch, generator
+        target,
+        tokenizer,
+        meta,
+        stop_ids,
+        run,
+        args.user_seconds,
+        args.gen_batch,
+        generator,
     )
     np.random.default_rng(0).shuffle(questions)
     with gzip.open(args.out / "questions.json.gz", "wt") as f:
@@ -269,7 +279,7 @@ def main() -> None:
         target,
         prompts,
         meta["answer_tokens"],
-        set(meta["stop"]),
+        stop_ids,
         args.answer_seconds,
         args.gen_batch,
         run,
@@ -288,7 +298,7 @@ def main() -> None:
         target,
         beginnings,
         meta["continuation_tokens"],
-        set(meta["stop"]),
+        stop_ids,
         args.continue_seconds,
         args.gen_batch,
         run,
