@@ -4,12 +4,15 @@ prefill)::
 
     python examples/copy_policy_ab.py --prompts 8 --max-tokens 96 [--against blind]
     python examples/copy_policy_ab.py --against calibration --calibration FILE
+    python examples/copy_policy_ab.py --against no-phrases
 
 The variants stop copied rounds at the drafter's block (7 drafts) instead of
 going on with the copy's own tokens up to 15; ``blind`` is besides never told
 whether a round is offered a copy (one kind of round, the calibrated cut in
 every round: the policy before rounds offered a copy were sized apart);
-``calibration`` is the default policy reading another calibration file.
+``calibration`` is the default policy reading another calibration file;
+``no-phrases`` the default policy and copies with the drafter's phrase store
+set aside (the context's copies only).
 They run prompt by prompt in one process, alternating their order, each policy
 keeping what it measured from one prompt to the next as the default policy
 does.
@@ -43,14 +46,16 @@ class Blind:
 
     inner: object
 
-    def round_cap(self, cap, copy=False):
-        return self.inner.round_cap(cap, copy=False)
+    def round_cap(self, cap, copy=False, phrases=False):
+        return self.inner.round_cap(cap, copy=False, phrases=False)
 
     def draft_length(self, proposal, cap):
         return self.inner.draft_length(proposal, cap)
 
     def observe(self, proposal, round_stats):
-        blind = dataclasses.replace(round_stats, copy_offered=False)
+        blind = dataclasses.replace(
+            round_stats, copy_offered=False, phrases_offered=False
+        )
         self.inner.observe(proposal, blind)
 
 
@@ -81,7 +86,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--prefix-tokens", type=int, default=64)
     parser.add_argument(
-        "--against", choices=("block", "blind", "calibration"), default="block"
+        "--against",
+        choices=("block", "blind", "calibration", "no-phrases"),
+        default="block",
     )
     parser.add_argument("--calibration", help="the other calibration file")
     args = parser.parse_args()
@@ -94,8 +101,10 @@ def main() -> None:
     copy_draft = {"default": settings.copy_draft, other: None}  # None: the block
     calibration = None
     if args.calibration:
-        copy_draft[other] = settings.copy_draft
         calibration = CalibrationResult.load(args.calibration)
+    if other in ("calibration", "no-phrases"):
+        copy_draft[other] = settings.copy_draft
+    phrases = drafter.phrase_store
     memory = {"default": None, other: None}
     alone = make_sampler(0.0)
     # warm up both paths (the default policy measures this machine once)
@@ -121,6 +130,7 @@ def main() -> None:
                     count = len(list(steps))
                 else:
                     drafter.policy_memory = memory[variant]
+                    drafter.phrase_store = None if variant == "no-phrases" else phrases
                     policy = resolve_policy(model, drafter, settings).policy
                     memory[variant] = policy
                     if variant == "blind":

@@ -41,7 +41,9 @@ Steps (each is skipped when its output already exists, so a rerun resumes):
    adds up across sessions. ``--stages N`` trains the stages stage N is
    trained through (:func:`lineage`; default: the shipped drafter's).
    ``mlx_dspark.calibrate`` on held-out prompts writes the last stage's STS
-   calibration. The book passages only seed "summary" prompts.
+   calibration, and :func:`write_phrase_store` its phrase store (the target's
+   T=0 answers, which the drafter copies from when the context offers
+   nothing). The book passages only seed "summary" prompts.
 5. ``--install`` copies it into ``mlx_dspark/assets/default_drafter/``.
 6. ``--ablation`` also trains the vanilla, gated, rnn and no-TSH heads with one
    smaller budget (``ABLATION_STEPS``) and measures them on the held-out sets.
@@ -84,6 +86,7 @@ from eval_default_pair import CHAT as HELD_OUT_CHAT
 from eval_default_pair import EVALUATED_MODULES, held_out_modules
 from plot_learning_curves import curve
 
+from mlx_dspark.lookup import PHRASES_FILE, PhraseStore
 from mlx_dspark.utils import encode_chat_prompt, write_text_atomic
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
@@ -722,6 +725,23 @@ def set_context_copy_bias(drafter: Path, bias: float) -> None:
     (drafter / "dspark_calibration.json").unlink(missing_ok=True)
 
 
+def write_phrase_store(drafter: Path, regen_dir: Path) -> None:
+    """The target's own T=0 answers, to the templated prompts
+    (``t000-*``) and to its own requests (``REQUESTS_DIR``), as the drafter's
+    phrase store (``mlx_dspark.lookup.PhraseStore``)."""
+    shards = sorted(regen_dir.glob("t000-*.jsonl.gz"))
+    shards += sorted(REQUESTS_DIR.glob("r*.jsonl.gz"))
+    answers = []
+    for shard in shards:
+        with gzip.open(shard, "rt") as f:
+            for line in f:
+                record = json.loads(line)
+                answers.append(record["tokens"][record["loss_start"] :])
+    PhraseStore.from_documents(answers).save(drafter / PHRASES_FILE)
+    tokens = sum(len(a) for a in answers)
+    print(f"phrase store: {len(answers)} answers, {tokens} tokens", flush=True)
+
+
 def validation_files(target: Path, work: Path) -> list[Path]:
     """``chat/`` (the target's T=0 answers to VALIDATION_CHAT), ``code.txt`` and
     ``docstrings.txt`` (held-out modules the evaluation never reads)."""
@@ -890,6 +910,9 @@ def main() -> None:
              *CALIBRATE_FLAGS, "--no-plot"],
             env=env,
         )  # fmt: skip
+    # After the calibration, which measures the drafter's own drafts; the
+    # default policy reads it only in rounds offered no copy.
+    write_phrase_store(drafter, regen_dir)
     if args.install:
         assets = (
             Path(__file__).resolve().parents[1] / "mlx_dspark/assets/default_drafter"
@@ -901,6 +924,7 @@ def main() -> None:
             "model.safetensors",
             "training_record.json",
             "dspark_calibration.json",
+            PHRASES_FILE,
         ):
             shutil.copy2(drafter / name, assets / name)
         size = sum(p.stat().st_size for p in assets.iterdir()) / 2**20

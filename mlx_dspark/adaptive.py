@@ -32,7 +32,10 @@ shared): copied runs are kept far longer than the drafter's own guesses, and
 averaging the two would cut the one and overdraw the other. Whether there is
 a copy is known before drafting. Rounds offered a copy may be longer than the
 drafter's block (the loop's ``copy_draft``): past it they verify the copy's
-own tokens.
+own tokens. Rounds offered a copy from the drafter's phrase store are a third
+kind, whose alternative is the drafter's own guesses rather than a plain
+round (:meth:`AdaptivePolicy.best_length`): a store's copy the policy
+declines leaves the round to the kind without a copy.
 
 The choice is made before drafting from past rounds only, so it cannot
 depend on the drafts it admits: lossless like any fixed length. With an STS
@@ -85,8 +88,8 @@ def _line(
 
 @dataclass
 class RoundKind:
-    """What the policy measured and decided for one kind of round (offered a
-    copy from the context, or not).
+    """What the policy measured and decided for one kind of round (offered no
+    copy, a copy from the context, or one from the phrase store).
 
     Per draft position the decayed kept and rejected counts and how many
     rounds reached it; how many drafts recent rounds kept; the length chosen
@@ -151,6 +154,7 @@ class AdaptivePolicy(_Recording):
     drafted_costs: deque = field(default_factory=deque)
     text: RoundKind = field(default_factory=RoundKind)  # rounds without a copy
     copies: RoundKind = field(default_factory=RoundKind)  # rounds offered one
+    phrases: RoundKind = field(default_factory=RoundKind)  # offered the store's
     last_drafted: bool = False
     last_tokens: int = 1
     _offered: bool = False  # the coming round is offered a copy
@@ -158,7 +162,7 @@ class AdaptivePolicy(_Recording):
     def __post_init__(self) -> None:
         self.plain_costs = deque(self.plain_costs, maxlen=self.window)
         self.drafted_costs = deque(self.drafted_costs, maxlen=self.drafted_window)
-        for kind in (self.text, self.copies):
+        for kind in (self.text, self.copies, self.phrases):
             kind.interval = self.probe_after
             kind.kept = deque(kind.kept, maxlen=self.drafted_window)
 
@@ -170,41 +174,51 @@ class AdaptivePolicy(_Recording):
         self.drafted_costs.extend(earlier.drafted_costs)
         self.text.remember(earlier.text)
         self.copies.remember(earlier.copies)
+        self.phrases.remember(earlier.phrases)
 
     # -- estimates ---------------------------------------------------------
 
-    def _counts(self, k: int, copy: bool = False) -> tuple[float, float, float]:
+    def _kind(self, copy: bool, phrases: bool) -> RoundKind:
+        return self.phrases if phrases else self.copies if copy else self.text
+
+    def _counts(
+        self, k: int, copy: bool = False, phrases: bool = False
+    ) -> tuple[float, float, float]:
         """Position ``k``'s decayed kept and rejected counts and prior weight."""
-        kind = self.copies if copy else self.text
+        kind = self._kind(copy, phrases)
         s = kind.successes[k] if k < len(kind.successes) else 0.0
         f = kind.failures[k] if k < len(kind.failures) else 0.0
         seen = kind.observations[k] if k < len(kind.observations) else 0
         return s, f, self.prior_strength * self.decay**seen  # the prior fades too
 
-    def acceptance(self, cap: int, copy: bool = False) -> list[float]:
+    def acceptance(
+        self, cap: int, copy: bool = False, phrases: bool = False
+    ) -> list[float]:
         """Conditional acceptance estimates p_1..p_cap (of rounds offered a
-        copy when ``copy``)."""
+        copy when ``copy``, one from the phrase store when ``phrases``)."""
         rates, prior = [], 0.5
-        measured = None if copy else self.prior
+        measured = None if copy or phrases else self.prior
         for k in range(cap):
             if measured is not None and k < len(measured):
                 prior = measured[k]
-            s, f, weight = self._counts(k, copy)
+            s, f, weight = self._counts(k, copy, phrases)
             prior = (weight * prior + s) / (weight + s + f)
             rates.append(prior)
         return rates
 
-    def drafting_may_pay(self, copy: bool = False) -> bool:
-        """Whether one draft a round beats plain rounds at the optimistic
-        first-draft acceptance (``optimism`` standard errors above the
-        estimate)."""
-        p = self.acceptance(1, copy)[0]
-        s, f, weight = self._counts(0, copy)
+    def drafting_may_pay(
+        self, copy: bool = False, phrases: bool = False, beat: float | None = None
+    ) -> bool:
+        """Whether one draft a round beats plain rounds (or the rate ``beat``)
+        at the optimistic first-draft acceptance (``optimism`` standard errors
+        above the estimate)."""
+        p = self.acceptance(1, copy, phrases)[0]
+        s, f, weight = self._counts(0, copy, phrases)
         p = min(
             1.0, p + self.optimism * (p * (1.0 - p) / (weight + s + f + 1.0)) ** 0.5
         )
         plain, one = self.round_costs(1)
-        return (1.0 + p) / one > 1.0 / plain
+        return (1.0 + p) / one > (1.0 / plain if beat is None else beat)
 
     def _profile_cost(self, n: int) -> float:
         if n == 0:
@@ -247,52 +261,62 @@ class AdaptivePolicy(_Recording):
             base, slope = _DRAFT_OVERHEAD * plain, _PER_DRAFT * plain
         return [plain] + [max(base + slope * n, 1e-9) for n in range(1, cap + 1)]
 
-    def predicted_rates(self, cap: int, copy: bool = False) -> list[float]:
+    def predicted_rates(
+        self, cap: int, copy: bool = False, phrases: bool = False
+    ) -> list[float]:
         """Predicted tokens per second for n = 0..cap drafts per round."""
         costs = self.round_costs(cap)
         rates, expected, survive = [1.0 / costs[0]], 1.0, 1.0
-        for n, p in enumerate(self.acceptance(cap, copy), start=1):
+        for n, p in enumerate(self.acceptance(cap, copy, phrases), start=1):
             survive *= p
             expected += survive
             rates.append(expected / costs[n])
         return rates
 
-    def best_length(self, cap: int, copy: bool = False) -> int:
+    def best_length(self, cap: int, copy: bool = False, phrases: bool = False) -> int:
         """The best predicted length; among lengths within 1% of the best, the
         longest (cheap deeper drafts keep their acceptance measured). Lengths
         beyond twice the longest recently kept prefix (plus one) are not
         considered: deep drafts are only tried once shallow ones are kept.
-        Plain (0) only when :meth:`drafting_may_pay` says no; else at least 1."""
-        kept = (self.copies if copy else self.text).kept
+        Plain (0) only when :meth:`drafting_may_pay` says no; else at least 1.
+
+        For rounds offered the phrase store's copy, 0 is the drafter's own
+        guesses instead (the best rate of rounds without a copy), which the
+        loop then drafts as such a round."""
+        kept = self._kind(copy, phrases).kept
         reach = max(kept, default=1) + 1
-        rates = self.predicted_rates(min(cap, 2 * reach), copy)
+        rates = self.predicted_rates(min(cap, 2 * reach), copy, phrases)
+        if phrases:
+            own_reach = max(self.text.kept, default=1) + 1
+            rates[0] = max(self.predicted_rates(min(cap, 2 * own_reach)))
         best = 0.99 * max(rates)
         length = max(n for n, rate in enumerate(rates) if rate >= best)
-        if length == 0 and cap > 0 and self.drafting_may_pay(copy):
+        beat = rates[0] if phrases else None
+        if length == 0 and cap > 0 and self.drafting_may_pay(copy, phrases, beat):
             return 1
         return length
 
     # -- the loop's hooks --------------------------------------------------
 
-    def round_cap(self, cap: int, copy: bool = False) -> int:
+    def round_cap(self, cap: int, copy: bool = False, phrases: bool = False) -> int:
         cap = guarded_cap(self.guard, self.telemetry, cap)
         self._offered = copy
-        n = self._decide(cap, copy) if cap > 0 else 0
+        n = self._decide(cap, copy, phrases) if cap > 0 else 0
         self.telemetry.n_current = n
         return n
 
-    def _decide(self, cap: int, copy: bool) -> int:
-        kind = self.copies if copy else self.text
+    def _decide(self, cap: int, copy: bool, phrases: bool) -> int:
+        kind = self._kind(copy, phrases)
         if kind.plain_left > 0:  # counting plain rounds: no arithmetic
             kind.plain_left -= 1
             return 0
         if kind.stale or cap != kind.cap:
             previous = kind.choice
-            kind.choice, kind.cap = self.best_length(cap, copy), cap
+            kind.choice, kind.cap = self.best_length(cap, copy, phrases), cap
             kind.stale = False
             probed, kind.probing = kind.probing, False
             if kind.choice == 0:
-                if probed and self._counts(0, copy)[0] > kind.probe_hits:
+                if probed and self._counts(0, copy, phrases)[0] > kind.probe_hits:
                     kind.interval = self.probe_after  # a kept probe: look again soon
                 elif probed:  # a rejected probe: wait longer
                     kind.interval = min(2 * kind.interval, self.probe_max)
@@ -305,7 +329,7 @@ class AdaptivePolicy(_Recording):
             return min(kind.choice, cap)
         if kind.choice == 0:  # the plain run is over: probe with one draft
             kind.probing = True
-            kind.probe_hits = self._counts(0, copy)[0]
+            kind.probe_hits = self._counts(0, copy, phrases)[0]
             return 1
         return min(kind.choice, cap)
 
@@ -344,6 +368,6 @@ class AdaptivePolicy(_Recording):
                     round_stats.draft_time,
                 )
             )
-        kind = self.copies if round_stats.copy_offered else self.text
+        kind = self._kind(round_stats.copy_offered, round_stats.phrases_offered)
         kind.add(n, round_stats.accepted, self.decay)
         kind.stale = True

@@ -20,6 +20,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from .config import DraftConfig
 from .heads import ConfidenceHead, build_markov_head
+from .lookup import PhraseStore
 from .sampling import SamplingParams, processed_logits
 
 
@@ -263,6 +264,9 @@ class DSparkDrafter(nn.Module):
         # The default policy of this drafter's last generation, whose
         # measurements (costs, acceptance) the next generation starts from.
         self.policy_memory = None
+        # Target-written text the loop copies from when the context offers
+        # nothing (``phrases.npy`` beside the weights; see lookup.py).
+        self.phrase_store: PhraseStore | None = None
 
     @property
     def block_size(self) -> int:

@@ -15,6 +15,7 @@ from mlx.utils import tree_flatten
 from .config import DraftConfig
 from .drafter import DSparkDrafter
 from .errors import DSparkError
+from .lookup import PHRASES_FILE, PhraseStore
 from .target import TargetAdapter
 
 
@@ -30,7 +31,7 @@ def resolve_path(path_or_repo: str | Path, what: str) -> Path:
         raise DSparkError(f"The {what} {name} does not exist.")
     from huggingface_hub import snapshot_download
 
-    patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
+    patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.npy"]
     try:
         return Path(
             snapshot_download(name, allow_patterns=patterns, local_files_only=True)
@@ -373,7 +374,24 @@ def load_drafter(
         check_pair(config, adapter)
     drafter = build_drafter(config, read_weights(path), adapter)
     drafter.source_path = path
+    if (path / PHRASES_FILE).exists():
+        drafter.phrase_store = read_phrase_store(path / PHRASES_FILE, config)
     return drafter
+
+
+def read_phrase_store(file: Path, config: DraftConfig) -> PhraseStore:
+    """A drafter's :class:`~mlx_dspark.lookup.PhraseStore`, checked against
+    its target vocabulary."""
+    try:
+        store = PhraseStore.load(file)
+    except (OSError, ValueError) as error:
+        raise DSparkError(f"{file} is not a phrase store: {error}.") from None
+    if store.tokens.size and store.tokens.max() >= config.vocab_size:
+        raise DSparkError(
+            f"{file} holds token ids beyond the target vocabulary "
+            f"({config.vocab_size})."
+        )
+    return store
 
 
 def load(

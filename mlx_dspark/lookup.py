@@ -8,15 +8,26 @@ seen before is weak evidence) and returns the tokens that followed it; the draft
 its drafts keep following them (:meth:`~mlx_dspark.drafter.DSparkDrafter.propose`).
 The drafts are still drawn from the rows they are verified against, so the
 output is unchanged; only the proposal moves.
+
+Chat answers repeat their context far less than code does, but a small target
+answers in stock phrases ("Here are some tips to", "It's important to note
+that"). A :class:`PhraseStore` holds text the target wrote itself (its
+greedy answers to many requests); when the context offers nothing,
+:meth:`PhraseStore.continuation` proposes what most often followed the
+history's last tokens there, and the drafter follows it as it follows a copy.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
 MIN_NGRAM, MAX_NGRAM = 2, 3
+PHRASES_FILE = "phrases.npy"
+_SEPARATOR = -1
 
 
 def continuation(
@@ -53,6 +64,122 @@ def continuation(
     return out
 
 
+def copy_for(
+    history: Sequence[int], length: int, phrases: PhraseStore | None = None
+) -> tuple[np.ndarray, bool]:
+    """The coming round's copy: the context's :func:`continuation`, else
+    (when it finds nothing) the phrase store's; and whether it is the store's."""
+    copy = continuation(history, length)
+    if phrases is None or offers(copy):
+        return copy, False
+    copy = phrases.continuation(history, length)
+    return copy, offers(copy)
+
+
 def offers(copy: np.ndarray | None) -> bool:
     """Whether a :func:`continuation` (None: no copying) found anything to copy."""
     return copy is not None and copy.size > 0 and bool(copy[0] >= 0)
+
+
+@dataclass
+class PhraseStore:
+    """Documents of target-written tokens, searched by their n-grams.
+
+    ``tokens`` is int32: the documents one after another, each followed by
+    -1. :meth:`continuation` finds the history's longest suffix of
+    ``min_ngram`` to ``max_ngram`` tokens that occurs in a document, then
+    walks on token by token, each time taking the token that most often
+    followed the occurrences still matching (the smallest id on a tie).
+    Occurrences are found by binary search over the positions sorted by the
+    ``max_ngram`` tokens from each one (built with the store: about a second
+    for a million tokens).
+    """
+
+    tokens: np.ndarray
+    min_ngram: int = 3
+    max_ngram: int = 6
+    _order: np.ndarray = field(init=False, repr=False)
+    _keys: list[np.ndarray] = field(init=False, repr=False)
+
+    @classmethod
+    def from_documents(cls, documents: Sequence[Sequence[int]]) -> PhraseStore:
+        parts = [
+            np.append(np.asarray(d, dtype=np.int64), _SEPARATOR) for d in documents
+        ]
+        tokens = np.concatenate(parts) if parts else np.zeros(0)
+        return cls(tokens.astype(np.int32))
+
+    @classmethod
+    def load(cls, path: str | Path) -> PhraseStore:
+        """Read a store :meth:`save` wrote; ValueError if it is not one."""
+        tokens = np.load(path, allow_pickle=False)
+        if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+            raise ValueError("it is not a 1-D array of token ids")
+        if tokens.size and (tokens.min() < _SEPARATOR or tokens[-1] != _SEPARATOR):
+            raise ValueError("its documents must be token ids each followed by -1")
+        return cls(tokens.astype(np.int32))
+
+    def save(self, path: str | Path) -> None:
+        """Write the tokens (temporary file, then rename)."""
+        path = Path(path)
+        partial = path.with_name(path.name + ".partial")
+        with open(partial, "wb") as file:
+            np.save(file, self.tokens, allow_pickle=False)
+        partial.replace(path)
+
+    def __post_init__(self) -> None:
+        """Positions sorted by their next ``max_ngram`` tokens, compared two
+        tokens (as 32-bit values, 0 for the end of a document) per uint64 key."""
+        values = self.tokens.astype(np.uint64) + 1
+        width = 2 * ((self.max_ngram + 1) // 2)
+        padded = np.concatenate([values, np.zeros(width, np.uint64)])
+        n = values.size
+        keys = [
+            (padded[i : i + n] << np.uint64(32)) | padded[i + 1 : i + 1 + n]
+            for i in range(0, width, 2)
+        ]
+        self._order = np.lexsort(keys[::-1])
+        self._keys = [key[self._order] for key in keys]
+
+    def _occurrences(self, pattern: list[int]) -> np.ndarray:
+        """Start positions of ``pattern`` within a document."""
+        lo, hi = 0, self._order.size
+        for i, key in enumerate(self._keys):
+            pair = [t + 1 for t in pattern[2 * i : 2 * i + 2]]
+            if not pair:
+                break
+            low = pair + [0] * (2 - len(pair))
+            high = pair + [0xFFFFFFFF] * (2 - len(pair))
+            first = np.uint64((low[0] << 32) | low[1])
+            last = np.uint64((high[0] << 32) | high[1])
+            segment = key[lo:hi]
+            lo, hi = (
+                lo + int(np.searchsorted(segment, first, "left")),
+                lo + int(np.searchsorted(segment, last, "right")),
+            )
+            if lo == hi:
+                break
+        return self._order[lo:hi]
+
+    def continuation(self, history: Sequence[int], length: int) -> np.ndarray:
+        """``length`` tokens after the history's end (int32, -1 past what the
+        store can say; all -1 when no suffix of ``min_ngram`` tokens occurs)."""
+        out = np.full(length, -1, dtype=np.int32)
+        tail = [int(t) for t in history[-self.max_ngram :]]
+        if length == 0 or self.tokens.size == 0:
+            return out
+        for n in range(len(tail), self.min_ngram - 1, -1):
+            after = self._occurrences(tail[-n:]) + n
+            if after.size:
+                break
+        else:
+            return out
+        for i in range(length):
+            following = self.tokens[after]
+            kept = following != _SEPARATOR
+            if not kept.any():
+                break
+            values, counts = np.unique(following[kept], return_counts=True)
+            out[i] = values[np.argmax(counts)]
+            after = after[following == out[i]] + 1
+        return out

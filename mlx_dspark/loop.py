@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from .drafter import DraftCache, DSparkDrafter, Proposal
-from .lookup import continuation, offers
+from .lookup import copy_for, offers
 from .modes import ChainMode, RoundMode
 from .sampling import SamplingParams, probabilities, sample
 from .scheduler import threshold_cut
@@ -40,6 +40,7 @@ class RoundStats:
     # previous round's tokens (which a pipelined plain round overlaps).
     wall_time: float = 0.0
     copy_offered: bool = False  # the context had a copy for this round
+    phrases_offered: bool = False  # the copy came from the phrase store
 
 
 @dataclass
@@ -87,9 +88,10 @@ class DraftPolicy(Protocol):
     """Decides how many drafts each round verifies.
 
     Two optional methods are called when a policy has them: ``round_cap(cap,
-    copy) -> int`` may lower a round's cap before drafting (it must not look at
-    the round's drafts; the memory guard uses it; ``copy`` says whether the
-    context offers the round a copy, see :mod:`~mlx_dspark.lookup`), and
+    copy, phrases) -> int`` may lower a round's cap before drafting (it must
+    not look at the round's drafts; the memory guard uses it; ``copy`` says
+    whether the round is offered a copy, see :mod:`~mlx_dspark.lookup`, and
+    ``phrases`` whether that copy comes from the drafter's phrase store), and
     ``observe(proposal, round)`` sees every finished round (calibration,
     telemetry).
     """
@@ -210,24 +212,35 @@ def speculative_generate_step(
     copying = drafter.config.context_copy_bias > 0
     copy_draft = num_draft if copy_draft is None else copy_draft
     history = [*prompt.tolist(), anchor] if copying else []
+    phrases = drafter.phrase_store if copying else None
     ahead = None  # a plain step already launched for the coming round
 
     def split(key: mx.array) -> tuple[mx.array, mx.array | None]:
         return (key, None) if params.greedy else mx.random.split(key)
 
-    def lookup() -> np.ndarray | None:
-        """The coming round's copy from the context (None without copying)."""
-        return continuation(history, copy_draft) if copying else None
-
-    def next_cap(copy: np.ndarray | None) -> int:
+    def next_cap(copy: np.ndarray | None, phrased: bool) -> int:
         offered = offers(copy)
         cap = min(copy_draft if offered else num_draft, max_tokens - produced - 1)
         if round_cap is not None:
-            cap = max(0, min(cap, int(round_cap(cap, copy=offered))))
+            told = round_cap(cap, copy=offered, phrases=phrased)
+            cap = max(0, min(cap, int(told)))
         return cap
 
-    copy = lookup()
-    cap = next_cap(copy)
+    def plan() -> tuple[np.ndarray | None, bool, int]:
+        """The coming round's copy (from the context, else from the drafter's
+        phrase store; None without copying), whether it is the store's, and
+        its cap. A store's copy the policy declines (cap 0) leaves the round
+        to the drafter's own guesses."""
+        if not copying:
+            return None, False, next_cap(None, False)
+        copy, phrased = copy_for(history, copy_draft, phrases)
+        cap = next_cap(copy, phrased)
+        if phrased and cap == 0:
+            copy, phrased = np.full_like(copy, -1), False
+            cap = next_cap(copy, phrased)
+        return copy, phrased, cap
+
+    copy, phrased, cap = plan()
     while produced < max_tokens:
         tic = time.perf_counter()
         if cap == 0:
@@ -243,11 +256,10 @@ def speculative_generate_step(
             ahead = None
             produced += 1
             start += 1
-            offered = offers(copy)
+            offered, from_phrases = offers(copy), phrased
             if copying:
                 history.append(token.item())
-                copy = lookup()
-            cap = next_cap(copy)
+            copy, phrased, cap = plan()
             if cap == 0 and produced < max_tokens:
                 key, step_key = split(key)
                 ahead = plain_step(target, cache, token, params, step_key)
@@ -256,7 +268,7 @@ def speculative_generate_step(
             unseen.append(features)
             now = time.perf_counter()
             stats.rounds.append(
-                RoundStats(0, 0, 0, 0.0, now - tic, now - ended, offered)
+                RoundStats(0, 0, 0, 0.0, now - tic, now - ended, offered, from_phrases)
             )
             ended = now
             if observe is not None:
@@ -296,6 +308,7 @@ def speculative_generate_step(
                 verify_time=now - drafted_at,
                 wall_time=now - ended,
                 copy_offered=offers(copy),
+                phrases_offered=phrased,
             )
         )
         ended = now
@@ -309,5 +322,4 @@ def speculative_generate_step(
         anchor = result.next_token
         if copying:
             history.extend([*drafts[: result.accepted], anchor])
-        copy = lookup()
-        cap = next_cap(copy)
+        copy, phrased, cap = plan()

@@ -116,7 +116,7 @@ class MonitoredPolicy(_Recording):
 
     inner: DraftPolicy | None = None
 
-    def round_cap(self, cap: int, copy: bool = False) -> int:
+    def round_cap(self, cap: int, copy: bool = False, phrases: bool = False) -> int:
         self.telemetry.n_current = cap
         return cap
 
@@ -152,7 +152,7 @@ class SchedulerPolicy(_Recording):
         if self.curve is None:
             raise ValueError("SchedulerPolicy needs a step-rate curve")
 
-    def round_cap(self, cap: int, copy: bool = False) -> int:
+    def round_cap(self, cap: int, copy: bool = False, phrases: bool = False) -> int:
         cap = guarded_cap(self.guard, self.telemetry, cap)
         self.telemetry.n_current = cap
         return cap

@@ -40,6 +40,7 @@ def test_shipped_drafter_fits_the_size_budget():
     files = list(default.drafter_dir().iterdir())
     names = {f.name for f in files}
     assert {"config.json", "model.safetensors", "training_record.json"} <= names
+    assert "phrases.npy" in names
     assert sum(f.stat().st_size for f in files) <= MAX_BYTES
 
 
@@ -62,6 +63,7 @@ def test_load_without_arguments_returns_the_default_pair(pair):
     assert drafter is not None
     assert drafter.source_path == default.drafter_dir()
     assert drafter.config.block_size == 7
+    assert drafter.phrase_store.tokens.size > 10**6
     assert tokenizer.has_chat_template
 
 

@@ -116,7 +116,7 @@ class SkipEveryOtherRound:
     def __init__(self):
         self.rounds = 0
 
-    def round_cap(self, cap, copy=False):
+    def round_cap(self, cap, copy=False, phrases=False):
         self.rounds += 1
         return 0 if self.rounds % 2 else cap
 

@@ -360,7 +360,7 @@ class Alternate:
     def __init__(self, pattern):
         self.pattern = itertools.cycle(pattern)
 
-    def round_cap(self, cap, copy=False):
+    def round_cap(self, cap, copy=False, phrases=False):
         return cap if next(self.pattern) else 0
 
     def draft_length(self, proposal, cap):

@@ -1,0 +1,230 @@
+"""The phrase store: its lookup, its file, the policy's kind of round for it,
+and losslessness with it."""
+
+import itertools
+from collections import Counter
+
+import numpy as np
+import pytest
+from test_greedy import dspark_tokens, target_greedy
+from test_lookup import DraftsWithoutTheirBias, copy_bias
+from test_policy import NO_PROPOSAL, PLAIN_SECONDS, drafted_seconds
+from test_sampling import SEEDS, chi_square, chi_square_critical, exact_joint
+from test_sampling import sample_first_three as sample
+
+from mlx_dspark.adaptive import AdaptivePolicy
+from mlx_dspark.errors import DSparkError
+from mlx_dspark.loading import load_drafter
+from mlx_dspark.lookup import PHRASES_FILE, PhraseStore, copy_for
+from mlx_dspark.loop import RoundStats
+from mlx_dspark.sampling import SamplingParams
+
+
+def brute_phrases(documents, history, length, min_ngram=3, max_ngram=6):
+    """The store's definition, spelled out."""
+    for n in range(min(max_ngram, len(history)), min_ngram - 1, -1):
+        suffix = list(history[len(history) - n :])
+        after = [
+            (d, i + n)
+            for d, doc in enumerate(documents)
+            for i in range(len(doc) - n + 1)
+            if list(doc[i : i + n]) == suffix
+        ]
+        if after:
+            break
+    else:
+        return [-1] * length
+    out = []
+    for _ in range(length):
+        following = Counter(documents[d][j] for d, j in after if j < len(documents[d]))
+        if not following:
+            break
+        top = max(following.values())
+        token = min(t for t, c in following.items() if c == top)
+        out.append(token)
+        after = [(d, j + 1) for d, j in after if j < len(documents[d])]
+        after = [(d, j) for d, j in after if documents[d][j - 1] == token]
+    return out + [-1] * (length - len(out))
+
+
+def test_phrase_store_takes_the_longest_match_then_the_commonest_tokens():
+    store = PhraseStore.from_documents([[1, 2, 3, 4, 5], [9, 2, 3, 4, 6], [2, 3, 4, 6]])
+    assert store.continuation([0, 2, 3, 4], 3).tolist() == [6, -1, -1]  # 6 twice
+    assert store.continuation([1, 2, 3, 4], 3).tolist() == [5, -1, -1]  # longest
+    assert store.continuation([7, 3, 4], 2).tolist() == [-1, -1]  # unseen
+    assert store.continuation([3, 4], 2).tolist() == [-1, -1]  # too short
+    # A tie goes to the smaller token; documents do not run into each other.
+    store = PhraseStore.from_documents([[5, 5, 5, 8, 1], [5, 5, 5, 7], [2, 5, 5, 8]])
+    assert store.continuation([5, 5, 5], 3).tolist() == [7, -1, -1]
+    assert store.continuation([1, 5, 5, 5], 3).tolist() == [7, -1, -1]
+    assert store.continuation([2, 5, 5], 3).tolist() == [8, -1, -1]
+    assert store.continuation([4, 5, 5], 3).tolist() == [-1, -1, -1]
+    assert PhraseStore.from_documents([]).continuation([1, 2, 3], 2).tolist() == [
+        -1,
+        -1,
+    ]
+
+
+def test_phrase_store_matches_its_definition_on_random_text():
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        vocab = 2 + trial % 5
+        documents = [
+            rng.integers(0, vocab, size=rng.integers(1, 30)).tolist()
+            for _ in range(rng.integers(1, 6))
+        ]
+        store = PhraseStore.from_documents(documents)
+        for _ in range(5):
+            history = rng.integers(0, vocab, size=rng.integers(0, 9)).tolist()
+            length = int(rng.integers(0, 8))
+            expected = brute_phrases(documents, history, length)
+            got = store.continuation(history, length)
+            assert got.tolist() == expected, (documents, history)
+
+
+def test_the_context_copy_comes_before_the_store():
+    store = PhraseStore.from_documents([[1, 2, 3, 9, 9]])
+    copy, phrased = copy_for([1, 2, 3], 2, store)
+    assert copy.tolist() == [9, 9] and phrased
+    copy, phrased = copy_for([1, 2, 3, 4, 1, 2, 3], 2, store)
+    assert copy.tolist() == [4, 1] and not phrased
+    copy, phrased = copy_for([5, 6, 7], 2, store)
+    assert copy.tolist() == [-1, -1] and not phrased
+
+
+def test_a_drafter_directory_carries_its_phrase_store(pair_factory, tmp_path):
+    *_, drafter_dir, _ = pair_factory(block_size=4)
+    model = pair_factory(block_size=4)[0]
+    local = tmp_path / "drafter"
+    local.mkdir()
+    for file in drafter_dir.iterdir():
+        (local / file.name).write_bytes(file.read_bytes())
+    assert load_drafter(local, model).phrase_store is None
+    PhraseStore.from_documents([[1, 2, 3], [4, 5]]).save(local / PHRASES_FILE)
+    assert [p.name for p in local.iterdir() if p.name.endswith(".partial")] == []
+    store = load_drafter(local, model).phrase_store
+    assert store.tokens.tolist() == [1, 2, 3, -1, 4, 5, -1]
+    (local / PHRASES_FILE).write_bytes(b"not an array")
+    with pytest.raises(DSparkError, match="is not a phrase store"):
+        load_drafter(local, model)
+    np.save(local / PHRASES_FILE, np.array([1, 2, 3], np.int32))
+    with pytest.raises(DSparkError, match="each followed by -1"):
+        load_drafter(local, model)
+    PhraseStore.from_documents([[1, 99]]).save(local / PHRASES_FILE)
+    with pytest.raises(DSparkError, match="beyond the target vocabulary"):
+        load_drafter(local, model)
+
+
+def play_phrases(policy, rounds, accept):
+    """Rounds without a copy, offered the context's and offered the store's
+    in turn, as the loop plans them (a store's copy the policy declines is a
+    round of the drafter's own guesses); ``accept(n, kind)``. Returns the
+    lengths chosen per kind of round offered."""
+    chosen = {"text": [], "context": [], "phrases": []}
+    for i in range(rounds):
+        offered = ("text", "context", "phrases")[i % 3]
+        kind = offered
+        n = policy.round_cap(7, copy=kind != "text", phrases=kind == "phrases")
+        if kind == "phrases" and n == 0:
+            kind = "text"
+            n = policy.round_cap(7)
+        chosen[offered].append((kind, n))
+        times = drafted_seconds(n) if n else (0.0, PLAIN_SECONDS)
+        stats = RoundStats(
+            n, n, accept(n, kind), *times, copy_offered=kind != "text",
+            phrases_offered=kind == "phrases",
+        )  # fmt: skip
+        policy.observe(NO_PROPOSAL, stats)
+    return chosen
+
+
+def test_rounds_offered_the_stores_copy_are_sized_apart():
+    """Context copies always kept, the store's never, the drafter's own
+    guesses at the first draft: the store's copies give way to the drafter's
+    own guesses (probed now and then) without cutting the context's short."""
+    accept = {
+        "text": lambda n: min(n, 1),
+        "context": lambda n: n,
+        "phrases": lambda n: 0,
+    }
+    chosen = play_phrases(AdaptivePolicy(), 600, lambda n, kind: accept[kind](n))
+    assert chosen["context"][-50:] == [("context", 7)] * 50
+    late = chosen["phrases"][-100:]
+    assert sum(kind == "text" and n > 0 for kind, n in late) >= 95
+    assert 0 not in [n for _, n in chosen["text"][-50:]]
+    # A store that beats plain rounds, not the drafter's own guesses, gives
+    # way to them as well.
+    half = itertools.cycle([1, 0])
+    accept["text"], accept["phrases"] = (
+        (lambda n: min(n, 3)),
+        (lambda n: min(n, next(half))),
+    )
+    chosen = play_phrases(AdaptivePolicy(), 600, lambda n, kind: accept[kind](n))
+    assert sum(kind == "text" for kind, _ in chosen["phrases"][-100:]) >= 90
+    # A store whose copies are kept is drafted from whole instead.
+    accept["phrases"], accept["text"] = (lambda n: n), (lambda n: 0)
+    chosen = play_phrases(AdaptivePolicy(), 600, lambda n, kind: accept[kind](n))
+    assert chosen["phrases"][-50:] == [("phrases", 7)] * 50
+
+
+def walks(model, starts, length=12):
+    """The target's greedy continuations of each start token."""
+    return [[s, *target_greedy(model, [s], max_tokens=length)] for s in starts]
+
+
+def stranger_pair(pair_factory, **spec):
+    """The structured target of ``spec`` with the drafter of another seed's
+    pair: its own guesses rarely hold, so the store's copies carry the rounds
+    they are offered, and the target's own text holds them often, not always."""
+    model, tokenizer, *_ = pair_factory(**spec)
+    *_, drafter_dir, _ = pair_factory(**spec, seed=1)
+    return model, tokenizer, load_drafter(drafter_dir, model)
+
+
+@pytest.mark.parametrize("num_draft", [2, 7])
+def test_greedy_identical_with_a_phrase_store(pair_factory, num_draft):
+    model, tokenizer, drafter = stranger_pair(pair_factory, block_size=8)
+    store = PhraseStore.from_documents(walks(model, range(1, 29)))
+    prompts = [[13, 5, 21], [20, 4, 11, 9], [7, 8], [1, 2, 3]]
+    accepted = {}
+    with copy_bias(drafter, 1e3):
+        for phrases in (None, store):
+            drafter.phrase_store, rounds = phrases, []
+            for prompt in prompts:
+                expected = target_greedy(model, prompt, max_tokens=32)
+                tokens, last = dspark_tokens(
+                    model, tokenizer, drafter, prompt, max_tokens=32,
+                    num_draft=num_draft, scheduler="off",
+                )  # fmt: skip
+                assert tokens == expected, (prompt, phrases is None)
+                rounds += last.stats.rounds
+            accepted[phrases is None] = np.mean([r.accepted for r in rounds])
+            kept = [r.accepted for r in rounds if r.phrases_offered]
+            if phrases is None:
+                assert not kept
+            else:
+                assert 0 in kept and num_draft in kept, kept
+    assert accepted[False] > accepted[True] + 0.5, accepted
+
+
+def test_sampling_exact_with_a_phrase_store(pair_factory):
+    model, _, drafter = stranger_pair(
+        pair_factory, markov_head_type="vanilla", sharpness=0.6, block_size=4
+    )
+    params = SamplingParams(temperature=1.0)
+    prompt = [3, 14, 15]
+    documents = walks(model, range(1, 29), 6)
+    store = PhraseStore.from_documents([*documents, prompt + documents[14][1:]])
+    joint = exact_joint(model, params, prompt)
+    drafter.phrase_store = store
+    with copy_bias(drafter, 40.0):
+        samples, stats = sample(model, drafter, params, prompt=prompt)
+        wrong, _ = sample(
+            model, drafter, params, DraftsWithoutTheirBias(), prompt=prompt
+        )
+    stat, dof = chi_square(samples, joint, SEEDS)
+    assert dof >= 5
+    assert stat < chi_square_critical(dof), (stat, dof)
+    kept = [r.accepted for r in stats.rounds if r.phrases_offered]
+    assert len(kept) > SEEDS // 4 and 0 < np.mean(kept) < 3, (len(kept), np.mean(kept))
+    assert chi_square(wrong, joint, SEEDS)[0] > chi_square_critical(dof)
