@@ -101,6 +101,20 @@ class PhraseStore:
     _order: np.ndarray = field(init=False, repr=False)
     _keys: list[np.ndarray] = field(init=False, repr=False)
 
+    def __post_init__(self) -> None:
+        """Positions sorted by their next ``max_ngram`` tokens, compared two
+        tokens (as 32-bit values, 0 for the end of a document) per uint64 key."""
+        values = (self.tokens.astype(np.int64) + 1).astype(np.uint64)
+        width = 2 * ((self.max_ngram + 1) // 2)
+        padded = np.concatenate([values, np.zeros(width, np.uint64)])
+        n = values.size
+        keys = [
+            (padded[i : i + n] << np.uint64(32)) | padded[i + 1 : i + 1 + n]
+            for i in range(0, width, 2)
+        ]
+        self._order = np.lexsort(keys[::-1])
+        self._keys = [key[self._order] for key in keys]
+
     @classmethod
     def from_documents(cls, documents: Sequence[Sequence[int]]) -> PhraseStore:
         parts = [
@@ -126,20 +140,6 @@ class PhraseStore:
         with open(partial, "wb") as file:
             np.save(file, self.tokens, allow_pickle=False)
         partial.replace(path)
-
-    def __post_init__(self) -> None:
-        """Positions sorted by their next ``max_ngram`` tokens, compared two
-        tokens (as 32-bit values, 0 for the end of a document) per uint64 key."""
-        values = self.tokens.astype(np.uint64) + 1
-        width = 2 * ((self.max_ngram + 1) // 2)
-        padded = np.concatenate([values, np.zeros(width, np.uint64)])
-        n = values.size
-        keys = [
-            (padded[i : i + n] << np.uint64(32)) | padded[i + 1 : i + 1 + n]
-            for i in range(0, width, 2)
-        ]
-        self._order = np.lexsort(keys[::-1])
-        self._keys = [key[self._order] for key in keys]
 
     def _occurrences(self, pattern: list[int]) -> np.ndarray:
         """Start positions of ``pattern`` within a document."""
