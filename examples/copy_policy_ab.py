@@ -5,6 +5,7 @@ prefill)::
     python examples/copy_policy_ab.py --prompts 8 --max-tokens 96 [--against blind]
     python examples/copy_policy_ab.py --against calibration --calibration FILE
     python examples/copy_policy_ab.py --against no-phrases
+    python examples/copy_policy_ab.py --against phrases --phrases FILE
 
 The variants stop copied rounds at the drafter's block (7 drafts) instead of
 going on with the copy's own tokens up to 15; ``blind`` is besides never told
@@ -12,7 +13,7 @@ whether a round is offered a copy (one kind of round, the calibrated cut in
 every round: the policy before rounds offered a copy were sized apart);
 ``calibration`` is the default policy reading another calibration file;
 ``no-phrases`` the default policy and copies with the drafter's phrase store
-set aside (the context's copies only).
+set aside (the context's copies only); ``phrases`` with another phrase store.
 They run prompt by prompt in one process, alternating their order, each policy
 keeping what it measured from one prompt to the next as the default policy
 does.
@@ -34,6 +35,7 @@ from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 from mlx_lm.sample_utils import make_sampler
 
 from mlx_dspark.calibration import CalibrationResult
+from mlx_dspark.lookup import PhraseStore
 from mlx_dspark.loop import speculative_generate_step
 from mlx_dspark.policies import resolve_policy
 from mlx_dspark.settings import build_settings
@@ -87,13 +89,15 @@ def main() -> None:
     parser.add_argument("--prefix-tokens", type=int, default=64)
     parser.add_argument(
         "--against",
-        choices=("block", "blind", "calibration", "no-phrases"),
+        choices=("block", "blind", "calibration", "no-phrases", "phrases"),
         default="block",
     )
     parser.add_argument("--calibration", help="the other calibration file")
+    parser.add_argument("--phrases", help="the other phrase store")
     args = parser.parse_args()
-    if (args.against == "calibration") != (args.calibration is not None):
-        parser.error("--calibration FILE goes with --against calibration")
+    for option in ("calibration", "phrases"):
+        if (args.against == option) != (getattr(args, option) is not None):
+            parser.error(f"--{option} FILE goes with --against {option}")
     model, tokenizer, drafter = mlx_dspark.load()
     settings = build_settings(drafter.block_size)
     sets = held_out_sets(tokenizer, args.prompts, args.prefix_tokens)
@@ -102,9 +106,11 @@ def main() -> None:
     calibration = None
     if args.calibration:
         calibration = CalibrationResult.load(args.calibration)
-    if other in ("calibration", "no-phrases"):
+    if other in ("calibration", "no-phrases", "phrases"):
         copy_draft[other] = settings.copy_draft
-    phrases = drafter.phrase_store
+    phrases = {"default": drafter.phrase_store, "no-phrases": None}
+    if args.phrases:
+        phrases[other] = PhraseStore.load(args.phrases)
     memory = {"default": None, other: None}
     alone = make_sampler(0.0)
     # warm up both paths (the default policy measures this machine once)
@@ -130,7 +136,7 @@ def main() -> None:
                     count = len(list(steps))
                 else:
                     drafter.policy_memory = memory[variant]
-                    drafter.phrase_store = None if variant == "no-phrases" else phrases
+                    drafter.phrase_store = phrases.get(variant, phrases["default"])
                     policy = resolve_policy(model, drafter, settings).policy
                     memory[variant] = policy
                     if variant == "blind":

@@ -104,6 +104,10 @@ CONTINUATION_PREFIX, CONTINUATION_TOKENS = 64, 96
 # The target's own user turns and its T=0 answers to them (written by
 # ``examples/gpu/train.py --write-shard N``; README there).
 REQUESTS_DIR = Path(__file__).resolve().parent / "data" / "target-requests"
+# The phrase store holds the answers of the first 43 request shards: with
+# r0043-r0077 too (2.07 M tokens) it ran held-out chat within noise of this one
+# and code and prose 0.01-0.07x slower (``copy_policy_ab.py --against phrases``).
+STORE_REQUEST_SHARDS = 43
 PROMPT_LIST = "prompts.jsonl.gz"  # in REGEN_DIR, committed with the answers
 COMMON_FLAGS = [
     "--layers", "1",
@@ -727,10 +731,11 @@ def set_context_copy_bias(drafter: Path, bias: float) -> None:
 
 def write_phrase_store(drafter: Path, regen_dir: Path) -> None:
     """The target's own T=0 answers, to the templated prompts
-    (``t000-*``) and to its own requests (``REQUESTS_DIR``), as the drafter's
-    phrase store (``mlx_dspark.lookup.PhraseStore``)."""
+    (``t000-*``) and to its own requests (the first ``STORE_REQUEST_SHARDS``
+    of ``REQUESTS_DIR``), as the drafter's phrase store
+    (``mlx_dspark.lookup.PhraseStore``)."""
     shards = sorted(regen_dir.glob("t000-*.jsonl.gz"))
-    shards += sorted(REQUESTS_DIR.glob("r*.jsonl.gz"))
+    shards += [REQUESTS_DIR / f"r{i:04d}.jsonl.gz" for i in range(STORE_REQUEST_SHARDS)]
     answers = []
     for shard in shards:
         with gzip.open(shard, "rt") as f:

@@ -86,7 +86,7 @@ class PhraseStore:
     """Documents of target-written tokens, searched by their n-grams.
 
     ``tokens`` is int32: the documents one after another, each followed by
-    -1. :meth:`continuation` finds the history's longest suffix of
+    -1 (on disk, :meth:`save`, the ids + 1 and 0). :meth:`continuation` finds the history's longest suffix of
     ``min_ngram`` to ``max_ngram`` tokens that occurs in a document, then
     walks on token by token, each time taking the token that most often
     followed the occurrences still matching (the smallest id on a tie).
@@ -126,19 +126,23 @@ class PhraseStore:
     @classmethod
     def load(cls, path: str | Path) -> PhraseStore:
         """Read a store :meth:`save` wrote; ValueError if it is not one."""
-        tokens = np.load(path, allow_pickle=False)
-        if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
-            raise ValueError("it is not a 1-D array of token ids")
-        if tokens.size and (tokens.min() < _SEPARATOR or tokens[-1] != _SEPARATOR):
-            raise ValueError("its documents must be token ids each followed by -1")
-        return cls(tokens.astype(np.int32))
+        values = np.load(path, allow_pickle=False)
+        if values.ndim != 1 or values.dtype.kind != "u":
+            raise ValueError("it is not a 1-D array of unsigned token ids")
+        if values.size and values[-1] != 0:
+            raise ValueError("its documents must each be followed by 0")
+        return cls((values.astype(np.int64) - 1).astype(np.int32))
 
     def save(self, path: str | Path) -> None:
-        """Write the tokens (temporary file, then rename)."""
+        """Write the store as token ids + 1, 0 after each document, in 16
+        bits when they fit (half the size of the tokens; temporary file,
+        then rename)."""
+        values = self.tokens.astype(np.int64) + 1
+        small = values.size == 0 or values.max() <= np.iinfo(np.uint16).max
         path = Path(path)
         partial = path.with_name(path.name + ".partial")
         with open(partial, "wb") as file:
-            np.save(file, self.tokens, allow_pickle=False)
+            np.save(file, values.astype(np.uint16 if small else np.uint32))
         partial.replace(path)
 
     def _occurrences(self, pattern: list[int]) -> np.ndarray:

@@ -103,12 +103,27 @@ def test_a_drafter_directory_carries_its_phrase_store(pair_factory, tmp_path):
     (local / PHRASES_FILE).write_bytes(b"not an array")
     with pytest.raises(DSparkError, match="is not a phrase store"):
         load_drafter(local, model)
-    np.save(local / PHRASES_FILE, np.array([1, 2, 3], np.int32))
-    with pytest.raises(DSparkError, match="each followed by -1"):
+    np.save(local / PHRASES_FILE, np.array([2, 3, 0, 4], np.uint16))
+    with pytest.raises(DSparkError, match="each be followed by 0"):
+        load_drafter(local, model)
+    np.save(local / PHRASES_FILE, np.array([2, 3, 0], np.int32))
+    with pytest.raises(DSparkError, match="not a 1-D array of unsigned"):
         load_drafter(local, model)
     PhraseStore.from_documents([[1, 99]]).save(local / PHRASES_FILE)
     with pytest.raises(DSparkError, match="beyond the target vocabulary"):
         load_drafter(local, model)
+
+
+def test_a_store_is_saved_in_16_bits_when_its_ids_fit(tmp_path):
+    for documents, dtype in (([[0, 65534], []], np.uint16), ([[65535, 7]], np.uint32)):
+        PhraseStore.from_documents(documents).save(tmp_path / PHRASES_FILE)
+        assert np.load(tmp_path / PHRASES_FILE).dtype == dtype
+        store = PhraseStore.load(tmp_path / PHRASES_FILE)
+        assert store.tokens.dtype == np.int32
+        assert (
+            store.tokens.tolist()
+            == PhraseStore.from_documents(documents).tokens.tolist()
+        )
 
 
 def play_phrases(policy, rounds, accept):
