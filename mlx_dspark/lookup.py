@@ -86,10 +86,11 @@ class PhraseStore:
     """Documents of target-written tokens, searched by their n-grams.
 
     ``tokens`` is int32: the documents one after another, each followed by
-    -1 (on disk, :meth:`save`, the ids + 1 and 0). :meth:`continuation` finds the history's longest suffix of
-    ``min_ngram`` to ``max_ngram`` tokens that occurs in a document, then
-    walks on token by token, each time taking the token that most often
-    followed the occurrences still matching (the smallest id on a tie).
+    -1 (on disk, :meth:`save`, the ids + 1 and 0). :meth:`continuation`
+    finds the history's longest suffix of ``min_ngram`` to ``max_ngram``
+    tokens that occurs in a document, then walks on token by token, each
+    time taking the token that most often followed the occurrences still
+    matching (the smallest id on a tie).
     Occurrences are found by binary search over the positions sorted by the
     ``max_ngram`` tokens from each one (built with the store: about a second
     for a million tokens).
