@@ -179,41 +179,41 @@ class AdaptivePolicy(_Recording):
     # -- estimates ---------------------------------------------------------
 
     def _kind(self, copy: bool, phrases: bool) -> RoundKind:
+        """The kind of a round offered a copy or not, and whether it is the
+        phrase store's (the loop's flags)."""
         return self.phrases if phrases else self.copies if copy else self.text
 
-    def _counts(
-        self, k: int, copy: bool = False, phrases: bool = False
-    ) -> tuple[float, float, float]:
+    def _counts(self, k: int, kind: RoundKind) -> tuple[float, float, float]:
         """Position ``k``'s decayed kept and rejected counts and prior weight."""
-        kind = self._kind(copy, phrases)
         s = kind.successes[k] if k < len(kind.successes) else 0.0
         f = kind.failures[k] if k < len(kind.failures) else 0.0
         seen = kind.observations[k] if k < len(kind.observations) else 0
         return s, f, self.prior_strength * self.decay**seen  # the prior fades too
 
-    def acceptance(
-        self, cap: int, copy: bool = False, phrases: bool = False
-    ) -> list[float]:
-        """Conditional acceptance estimates p_1..p_cap (of rounds offered a
-        copy when ``copy``, one from the phrase store when ``phrases``)."""
+    def acceptance(self, cap: int, kind: RoundKind | None = None) -> list[float]:
+        """Conditional acceptance estimates p_1..p_cap of a kind of round
+        (default: rounds without a copy, the only kind the calibration's
+        acceptance is a prior for)."""
+        kind = self.text if kind is None else kind
         rates, prior = [], 0.5
-        measured = None if copy or phrases else self.prior
+        measured = self.prior if kind is self.text else None
         for k in range(cap):
             if measured is not None and k < len(measured):
                 prior = measured[k]
-            s, f, weight = self._counts(k, copy, phrases)
+            s, f, weight = self._counts(k, kind)
             prior = (weight * prior + s) / (weight + s + f)
             rates.append(prior)
         return rates
 
     def drafting_may_pay(
-        self, copy: bool = False, phrases: bool = False, beat: float | None = None
+        self, kind: RoundKind | None = None, beat: float | None = None
     ) -> bool:
         """Whether one draft a round beats plain rounds (or the rate ``beat``)
         at the optimistic first-draft acceptance (``optimism`` standard errors
         above the estimate)."""
-        p = self.acceptance(1, copy, phrases)[0]
-        s, f, weight = self._counts(0, copy, phrases)
+        kind = self.text if kind is None else kind
+        p = self.acceptance(1, kind)[0]
+        s, f, weight = self._counts(0, kind)
         p = min(
             1.0, p + self.optimism * (p * (1.0 - p) / (weight + s + f + 1.0)) ** 0.5
         )
@@ -261,19 +261,17 @@ class AdaptivePolicy(_Recording):
             base, slope = _DRAFT_OVERHEAD * plain, _PER_DRAFT * plain
         return [plain] + [max(base + slope * n, 1e-9) for n in range(1, cap + 1)]
 
-    def predicted_rates(
-        self, cap: int, copy: bool = False, phrases: bool = False
-    ) -> list[float]:
+    def predicted_rates(self, cap: int, kind: RoundKind | None = None) -> list[float]:
         """Predicted tokens per second for n = 0..cap drafts per round."""
         costs = self.round_costs(cap)
         rates, expected, survive = [1.0 / costs[0]], 1.0, 1.0
-        for n, p in enumerate(self.acceptance(cap, copy, phrases), start=1):
+        for n, p in enumerate(self.acceptance(cap, kind), start=1):
             survive *= p
             expected += survive
             rates.append(expected / costs[n])
         return rates
 
-    def best_length(self, cap: int, copy: bool = False, phrases: bool = False) -> int:
+    def best_length(self, cap: int, kind: RoundKind | None = None) -> int:
         """The best predicted length; among lengths within 1% of the best, the
         longest (cheap deeper drafts keep their acceptance measured). Lengths
         beyond twice the longest recently kept prefix (plus one) are not
@@ -283,16 +281,17 @@ class AdaptivePolicy(_Recording):
         For rounds offered the phrase store's copy, 0 is the drafter's own
         guesses instead (the best rate of rounds without a copy), which the
         loop then drafts as such a round."""
-        kept = self._kind(copy, phrases).kept
-        reach = max(kept, default=1) + 1
-        rates = self.predicted_rates(min(cap, 2 * reach), copy, phrases)
+        kind = self.text if kind is None else kind
+        reach = max(kind.kept, default=1) + 1
+        rates = self.predicted_rates(min(cap, 2 * reach), kind)
+        phrases = kind is self.phrases
         if phrases:
             own_reach = max(self.text.kept, default=1) + 1
             rates[0] = max(self.predicted_rates(min(cap, 2 * own_reach)))
         best = 0.99 * max(rates)
         length = max(n for n, rate in enumerate(rates) if rate >= best)
         beat = rates[0] if phrases else None
-        if length == 0 and cap > 0 and self.drafting_may_pay(copy, phrases, beat):
+        if length == 0 and cap > 0 and self.drafting_may_pay(kind, beat):
             return 1
         return length
 
@@ -301,22 +300,21 @@ class AdaptivePolicy(_Recording):
     def round_cap(self, cap: int, copy: bool = False, phrases: bool = False) -> int:
         cap = guarded_cap(self.guard, self.telemetry, cap)
         self._offered = copy
-        n = self._decide(cap, copy, phrases) if cap > 0 else 0
+        n = self._decide(cap, self._kind(copy, phrases)) if cap > 0 else 0
         self.telemetry.n_current = n
         return n
 
-    def _decide(self, cap: int, copy: bool, phrases: bool) -> int:
-        kind = self._kind(copy, phrases)
+    def _decide(self, cap: int, kind: RoundKind) -> int:
         if kind.plain_left > 0:  # counting plain rounds: no arithmetic
             kind.plain_left -= 1
             return 0
         if kind.stale or cap != kind.cap:
             previous = kind.choice
-            kind.choice, kind.cap = self.best_length(cap, copy, phrases), cap
+            kind.choice, kind.cap = self.best_length(cap, kind), cap
             kind.stale = False
             probed, kind.probing = kind.probing, False
             if kind.choice == 0:
-                if probed and self._counts(0, copy, phrases)[0] > kind.probe_hits:
+                if probed and self._counts(0, kind)[0] > kind.probe_hits:
                     kind.interval = self.probe_after  # a kept probe: look again soon
                 elif probed:  # a rejected probe: wait longer
                     kind.interval = min(2 * kind.interval, self.probe_max)
@@ -329,7 +327,7 @@ class AdaptivePolicy(_Recording):
             return min(kind.choice, cap)
         if kind.choice == 0:  # the plain run is over: probe with one draft
             kind.probing = True
-            kind.probe_hits = self._counts(0, copy, phrases)[0]
+            kind.probe_hits = self._counts(0, kind)[0]
             return 1
         return min(kind.choice, cap)
 

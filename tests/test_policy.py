@@ -499,7 +499,7 @@ def test_copies_start_from_their_own_prior_not_the_calibrations():
     positions it rarely kept say nothing about how far a copy holds."""
     policy = AdaptivePolicy(prior=[0.3, 0.1, 0.05])
     assert policy.acceptance(5) == pytest.approx([0.3, 0.1, 0.05, 0.05, 0.05])
-    assert policy.acceptance(5, copy=True) == pytest.approx([0.5] * 5)
+    assert policy.acceptance(5, policy.copies) == pytest.approx([0.5] * 5)
     for _ in range(20):
         policy.observe(NO_PROPOSAL, RoundStats(9, 9, 9, copy_offered=True))
-    assert min(policy.acceptance(9, copy=True)) > 0.9
+    assert min(policy.acceptance(9, policy.copies)) > 0.9
