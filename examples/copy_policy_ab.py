@@ -6,6 +6,7 @@ prefill)::
     python examples/copy_policy_ab.py --against calibration --calibration FILE
     python examples/copy_policy_ab.py --against no-phrases
     python examples/copy_policy_ab.py --against phrases --phrases FILE
+    python examples/copy_policy_ab.py --against drafter-copies
 
 The variants stop copied rounds at the drafter's block (7 drafts) instead of
 going on with the copy's own tokens up to 15; ``blind`` is besides never told
@@ -13,7 +14,10 @@ whether a round is offered a copy (one kind of round, the calibrated cut in
 every round: the policy before rounds offered a copy were sized apart);
 ``calibration`` is the default policy reading another calibration file;
 ``no-phrases`` the default policy and copies with the drafter's phrase store
-set aside (the context's copies only); ``phrases`` with another phrase store.
+set aside (the context's copies only); ``phrases`` with another phrase store;
+``drafter-copies`` the default policy with the drafter run in rounds whose copy
+covers their drafts too (its rows carry the copy bias) instead of verifying the
+copy as it is.
 They run prompt by prompt in one process, alternating their order, each policy
 keeping what it measured from one prompt to the next as the default policy
 does.
@@ -62,7 +66,7 @@ class Blind:
 
 
 def pair_tokens(
-    model, tokenizer, drafter, policy, prompt, max_tokens, copy_draft
+    model, tokenizer, drafter, policy, prompt, max_tokens, copy_draft, as_is=True
 ) -> int:
     target = TargetAdapter(model, drafter.config.target_layer_ids)
     steps = speculative_generate_step(
@@ -73,6 +77,7 @@ def pair_tokens(
         max_tokens=max_tokens,
         policy=policy,
         copy_draft=copy_draft,
+        copy_as_is=as_is and copy_draft is not None,
     )
     count = 0
     for token, _ in steps:
@@ -89,7 +94,14 @@ def main() -> None:
     parser.add_argument("--prefix-tokens", type=int, default=64)
     parser.add_argument(
         "--against",
-        choices=("block", "blind", "calibration", "no-phrases", "phrases"),
+        choices=(
+            "block",
+            "blind",
+            "calibration",
+            "no-phrases",
+            "phrases",
+            "drafter-copies",
+        ),
         default="block",
     )
     parser.add_argument("--calibration", help="the other calibration file")
@@ -106,7 +118,7 @@ def main() -> None:
     calibration = None
     if args.calibration:
         calibration = CalibrationResult.load(args.calibration)
-    if other in ("calibration", "no-phrases", "phrases"):
+    if other in ("calibration", "no-phrases", "phrases", "drafter-copies"):
         copy_draft[other] = settings.copy_draft
     phrases = {"default": drafter.phrase_store, "no-phrases": None}
     if args.phrases:
@@ -151,6 +163,7 @@ def main() -> None:
                         prompt,
                         args.max_tokens,
                         copy_draft[variant],
+                        as_is=variant != "drafter-copies",
                     )
                 seconds[variant] += time.perf_counter() - tic
                 tokens[variant] += count

@@ -32,10 +32,13 @@ shared): copied runs are kept far longer than the drafter's own guesses, and
 averaging the two would cut the one and overdraw the other. Whether there is
 a copy is known before drafting. Rounds offered a copy may be longer than the
 drafter's block (the loop's ``copy_draft``): past it they verify the copy's
-own tokens. Rounds offered a copy from the drafter's phrase store are a third
-kind, whose alternative is the drafter's own guesses rather than a plain
-round (:meth:`AdaptivePolicy.best_length`): a store's copy the policy
-declines leaves the round to the kind without a copy.
+own tokens. This policy never reads the drafter's rows in such rounds, which
+is what lets the default setup verify a copy that covers a round as it is,
+without running the drafter (the loop's ``copy_as_is``). Rounds offered a
+copy from the drafter's phrase store are a third kind, whose alternative is
+the drafter's own guesses rather than a plain round
+(:meth:`AdaptivePolicy.best_length`): a store's copy the policy declines
+leaves the round to the kind without a copy.
 
 The choice is made before drafting from past rounds only, so it cannot
 depend on the drafts it admits: lossless like any fixed length. With an STS

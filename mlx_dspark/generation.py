@@ -175,6 +175,7 @@ def stream_generate(
             stats=stats,
             prefill_step_size=prefill_step_size,
             copy_draft=settings.copy_draft,
+            copy_as_is=settings.copy_as_is,
         )
 
     detokenizer = tokenizer.detokenizer

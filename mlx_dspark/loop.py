@@ -22,7 +22,7 @@ import numpy as np
 
 from .drafter import DraftCache, DSparkDrafter, Proposal
 from .lookup import copy_for, offers
-from .modes import ChainMode, RoundMode
+from .modes import ChainMode, RoundMode, copied_proposal
 from .sampling import SamplingParams, probabilities, sample
 from .scheduler import threshold_cut
 from .target import TargetAdapter
@@ -175,6 +175,7 @@ def speculative_generate_step(
     stats: GenerationStats | None = None,
     prefill_step_size: int = 512,
     copy_draft: int | None = None,
+    copy_as_is: bool = False,
 ) -> Iterator[tuple[int, bool]]:
     """Yield ``(token, from_draft)`` until ``max_tokens`` tokens are produced.
 
@@ -183,7 +184,10 @@ def speculative_generate_step(
     drafter that copies from the context, ``copy_draft`` (default
     ``num_draft``) bounds those of rounds offered a copy, whose drafts past
     ``num_draft`` are the copy's own tokens (:meth:`ChainMode.propose
-    <mlx_dspark.modes.ChainMode.propose>`; chains only).
+    <mlx_dspark.modes.ChainMode.propose>`; chains only). With ``copy_as_is``
+    (chains only), a round whose copy covers all its drafts verifies the copy
+    itself (:func:`~mlx_dspark.modes.copied_proposal`) without running the
+    drafter, which ingests that round's features with the next round it drafts.
 
     Stopping on end-of-sequence tokens is the caller's job; rounds may commit
     past it, which does not change the tokens before it.
@@ -276,20 +280,24 @@ def speculative_generate_step(
             yield anchor, False
             continue
         key, round_key = mx.random.split(key)
-        anchor_array = mx.array([anchor])
-        context = unseen[0] if len(unseen) == 1 else mx.concatenate(unseen, 1)
-        hidden = drafter(
-            drafter.block_tokens(anchor_array), start, context, draft_cache
-        )
-        proposal = mode.propose(
-            drafter,
-            hidden,
-            anchor_array,
-            cap,
-            params,
-            round_key,
-            None if copy is None else mx.array(copy[:cap])[None],
-        )
+        as_is = copy_as_is and offers(copy) and bool((copy[:cap] >= 0).all())
+        if as_is:
+            proposal = copied_proposal(mx.array(copy[:cap])[None], target.vocab_size)
+        else:
+            anchor_array = mx.array([anchor])
+            context = unseen[0] if len(unseen) == 1 else mx.concatenate(unseen, 1)
+            hidden = drafter(
+                drafter.block_tokens(anchor_array), start, context, draft_cache
+            )
+            proposal = mode.propose(
+                drafter,
+                hidden,
+                anchor_array,
+                cap,
+                params,
+                round_key,
+                None if copy is None else mx.array(copy[:cap])[None],
+            )
         if cap > num_draft:  # past the block: as far as the drafts followed the copy
             cap = proposal.tokens.shape[1]
         n = policy.draft_length(proposal, cap)
@@ -297,7 +305,7 @@ def speculative_generate_step(
         result, drafts, committed = mode.verify(
             target, cache, anchor, proposal, n, params, rng
         )
-        unseen = [committed]
+        unseen = [*unseen, committed] if as_is else [committed]
         now = time.perf_counter()
         stats.rounds.append(
             RoundStats(

@@ -171,6 +171,15 @@ def follow_copy(proposal: Proposal, copy: mx.array) -> Proposal:
     )
 
 
+def copied_proposal(copy: mx.array, vocab_size: int) -> Proposal:
+    """Drafts that are a copy ``[1, n]`` as it is, each drawn from a point mass
+    on its token as :func:`follow_copy` draws those past the block (so greedy
+    keeps the copy as far as the target agrees, and sampling stays exact). No
+    drafter runs for them: they have no confidences."""
+    tokens = copy.astype(mx.int32)
+    return Proposal(tokens, point_mass(tokens, vocab_size, mx.float32))
+
+
 def settle_chain(
     target: TargetAdapter,
     cache: list,

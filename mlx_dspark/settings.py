@@ -64,6 +64,15 @@ class SpeculationSettings:
     notes: tuple[str, ...] = ()
 
     @property
+    def copy_as_is(self) -> bool:
+        """Whether a round whose copy covers all its drafts verifies the copy
+        as it is, without running the drafter: with ``copy_draft``, whose
+        (adaptive) policy never reads the drafter's rows in rounds offered a
+        copy. A large copy bias (the shipped drafter's 20) drafts the same
+        tokens; a small one would have let the drafter's own guesses win."""
+        return self.copy_draft is not None
+
+    @property
     def confidence_threshold(self) -> float:
         return self.scheduler.confidence_threshold
 

@@ -20,13 +20,16 @@ from test_sampling import (
     sample_first_three,
 )
 
+from mlx_dspark import loop as generation_loop
 from mlx_dspark.drafter import Proposal
 from mlx_dspark.loading import load, load_drafter
 from mlx_dspark.lookup import continuation
-from mlx_dspark.modes import ChainMode, follow_copy
+from mlx_dspark.loop import GenerationStats, speculative_generate_step
+from mlx_dspark.modes import ChainMode, copied_proposal, follow_copy
 from mlx_dspark.policies import MonitoredPolicy
 from mlx_dspark.sampling import SamplingParams
 from mlx_dspark.structured import PairSpec, build_structured_pair
+from mlx_dspark.target import TargetAdapter
 
 
 def brute_continuation(history, length, min_ngram=2, max_ngram=3):
@@ -372,5 +375,74 @@ def test_sampling_exact_with_copies_past_the_block(pair_factory, params):
         if params.temperature == 1.0:
             wrong, _ = sample_first_three(
                 model, drafter, params, CopiesAgainstWrongRows(), policy=whole, **loop
+            )
+            assert chi_square(wrong, joint, SEEDS)[0] > chi_square_critical(dof)
+
+
+class CountingDrafter:
+    """A drafter that counts its backbone passes."""
+
+    def __init__(self, inner):
+        self.inner, self.passes = inner, 0
+
+    def __call__(self, *args, **kwargs):
+        self.passes += 1
+        return self.inner(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("copy_draft", [4, 8])
+def test_copies_as_is_are_lossless_and_skip_the_drafter(pair_factory, copy_draft):
+    model, _, drafter, *_ = pair_factory(block_size=4)
+    target = TargetAdapter(model, drafter.config.target_layer_ids)
+    kept = []
+    with copy_bias(drafter, 1e3):
+        for prompt in [*REPEATING_PROMPTS, [13, 5, 5, 21, 2, 17], COPY_PROMPT]:
+            counting, stats = CountingDrafter(drafter), GenerationStats()
+            steps = speculative_generate_step(
+                mx.array(prompt), target, counting, num_draft=4, max_tokens=48,
+                policy=MonitoredPolicy(), stats=stats, copy_draft=copy_draft,
+                copy_as_is=True,
+            )  # fmt: skip
+            tokens = [t for t, _ in steps]
+            assert tokens == target_greedy(model, prompt, max_tokens=48)
+            drafted = [r for r in stats.rounds if r.drafted]
+            # The context's copies cover every round they are offered: only
+            # rounds without one run the drafter.
+            assert counting.passes == sum(not r.copy_offered for r in drafted)
+            kept += [r.accepted / r.verified for r in drafted if r.copy_offered]
+    assert min(kept) < 1 and max(kept) == 1, kept
+
+
+@pytest.mark.parametrize("params", CONFIGS, ids=["t0.7-p0.9-k8", "t1"])
+def test_sampling_exact_with_copies_as_is(pair_factory, params, monkeypatch):
+    model, _, drafter, *_ = pair_factory(
+        markov_head_type="vanilla", sharpness=0.6, block_size=4
+    )
+    prompt = repeated_walk(model)
+    joint = exact_joint(model, params, prompt)
+    loop = {"max_tokens": 6, "copy_draft": 6, "copy_as_is": True, "prompt": prompt}
+    with copy_bias(drafter, 40.0):
+        samples, stats = sample_first_three(
+            model, drafter, params, policy=MonitoredPolicy, **loop
+        )
+        stat, dof = chi_square(samples, joint, SEEDS)
+        assert dof >= 5
+        assert stat < chi_square_critical(dof), (stat, dof)
+        copied = [r.accepted for r in stats.rounds if r.drafted and r.copy_offered]
+        assert len(copied) > SEEDS // 4 and 0 < np.mean(copied) < 5, copied
+        if params.temperature == 1.0:
+
+            def against_uniform_rows(copy, vocab_size):
+                proposal = copied_proposal(copy, vocab_size)
+                return Proposal(proposal.tokens, mx.zeros_like(proposal.logits))
+
+            monkeypatch.setattr(
+                generation_loop, "copied_proposal", against_uniform_rows
+            )
+            wrong, _ = sample_first_three(
+                model, drafter, params, policy=MonitoredPolicy, **loop
             )
             assert chi_square(wrong, joint, SEEDS)[0] > chi_square_critical(dof)
