@@ -7,6 +7,7 @@ prefill)::
     python examples/copy_policy_ab.py --against no-phrases
     python examples/copy_policy_ab.py --against phrases --phrases FILE
     python examples/copy_policy_ab.py --against drafter-copies
+    python examples/copy_policy_ab.py --against line
 
 The variants stop copied rounds at the drafter's block (7 drafts) instead of
 going on with the copy's own tokens up to 15; ``blind`` is besides never told
@@ -17,7 +18,8 @@ every round: the policy before rounds offered a copy were sized apart);
 set aside (the context's copies only); ``phrases`` with another phrase store;
 ``drafter-copies`` the default policy with the drafter run in rounds whose copy
 covers their drafts too (its rows carry the copy bias) instead of verifying the
-copy as it is.
+copy as it is; ``line`` the default policy pricing rounds by a line through
+the drafted rounds' times instead of the pair's measured cost profile.
 They run prompt by prompt in one process, alternating their order, each policy
 keeping what it measured from one prompt to the next as the default policy
 does.
@@ -101,6 +103,7 @@ def main() -> None:
             "no-phrases",
             "phrases",
             "drafter-copies",
+            "line",
         ),
         default="block",
     )
@@ -118,7 +121,7 @@ def main() -> None:
     calibration = None
     if args.calibration:
         calibration = CalibrationResult.load(args.calibration)
-    if other in ("calibration", "no-phrases", "phrases", "drafter-copies"):
+    if other in ("calibration", "no-phrases", "phrases", "drafter-copies", "line"):
         copy_draft[other] = settings.copy_draft
     phrases = {"default": drafter.phrase_store, "no-phrases": None}
     if args.phrases:
@@ -155,6 +158,8 @@ def main() -> None:
                         policy = Blind(policy)
                     elif variant == "calibration":
                         policy.calibration = calibration
+                    elif variant == "line":
+                        policy.profile = None
                     count = pair_tokens(
                         model,
                         tokenizer,

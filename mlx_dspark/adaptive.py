@@ -16,9 +16,11 @@ Predicted tokens/s for ``n`` drafts is ``E(n) / cost(n)``:
 * ``cost(n)`` the wall time of a round that verifies ``n`` drafts, the
   caller's time with its tokens included (a pipelined plain round overlaps
   the two): ``cost(0)`` the median of the last ``window`` plain rounds; for
-  drafted rounds, the cached cost profile scaled to the last
-  ``drafted_window`` drafted rounds when there is a profile, else a robust
-  line through them.
+  drafted rounds, the pair's cost profile (which the default setup measures
+  once and caches, :func:`~mlx_dspark.policies.resolve_policy`) scaled to the
+  last ``drafted_window`` drafted rounds, or without a profile a robust line
+  through them (verify costs are not a line on every machine: OpenBLAS
+  verifies 16 tokens faster than 10 to 14).
 
 Drafting stops only when even an optimistic first-draft acceptance (the
 estimate plus ``optimism`` standard errors of its decayed counts) predicts

@@ -265,14 +265,15 @@ def resolve_policy(
     """Build the draft policy ``settings.policy`` names for this pair (see
     :func:`~mlx_dspark.settings.build_settings`, which decides it).
 
-    ``adaptive`` and ``auto`` use the pair's calibration and cached cost
-    profile when they exist; ``auto`` measures the profile when none is cached
-    (``settings.profile == "refresh"`` always re-measures) and uses raw
-    confidences when there is no calibration.
+    ``adaptive`` and ``auto`` use the pair's calibration when there is one
+    (``auto`` uses raw confidences otherwise) and the pair's cost profile,
+    measured once on this machine and cached (``settings.profile ==
+    "refresh"`` always re-measures); ``adaptive``'s reaches its longest
+    round, copied rounds included.
     """
     from .calibrate import find_calibration
     from .loop import ThresholdPolicy
-    from .profile import get_profile, load_profile, profile_key, profile_path
+    from .profile import get_profile, profile_key, profile_path
 
     knobs = settings.scheduler
     found = find_calibration(model, drafter)
@@ -281,22 +282,25 @@ def resolve_policy(
     if settings.policy == "adaptive":
         from .adaptive import AdaptivePolicy
 
-        longest = settings.copy_draft or settings.num_draft
+        copies = drafter.config.context_copy_bias > 0 and settings.copy_draft
+        longest = settings.copy_draft if copies else settings.num_draft
         guard = MemoryGuard.from_settings(knobs, longest, memory_source)
-        cached = load_profile(model, drafter)
+        earlier = drafter.policy_memory
+        curve = getattr(earlier, "profile", None)
+        if curve is None or curve.batch_sizes[-1] < longest + 1:
+            curve = get_profile(model, drafter, progress=progress, n_max=longest)
         policy = AdaptivePolicy(
             calibration,
             telemetry_for(found),
-            cached,
+            curve,
             guard,
             prior=None if found is None else found[0].acceptance(),
         )
-        if drafter.policy_memory is not None:
-            policy.remember(drafter.policy_memory)
+        if earlier is not None:
+            policy.remember(earlier)
         drafter.policy_memory = policy
-        used = (
-            None if cached is None else str(profile_path(profile_key(model, drafter)))
-        )
+        used = profile_path(profile_key(model, drafter))
+        used = str(used) if used.is_file() else None
         return ResolvedPolicy(policy, "adaptive", None, cal_path, used)
     telemetry = telemetry_for(found)
     if settings.policy != "auto":

@@ -14,6 +14,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -28,7 +29,7 @@ from .scheduler import StepRateCurve
 from .target import TargetAdapter
 from .utils import cache_dir, write_text_atomic
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 DEFAULT_CONTEXTS = (64, 256)
 
 
@@ -113,8 +114,9 @@ def measure_profile(
     repeats: int = 3,
     progress: Callable[[int, int], None] | None = None,
 ) -> StepRateCurve:
-    """Seconds per target forward at 1..n_max+1 query tokens and per drafter
-    block, at each context length; the curve averages over the contexts.
+    """Seconds per target forward at 1..n_max+1 query tokens and per drafting
+    round (a committed token taken in, a block drafted), at each context
+    length; the curve averages over the contexts.
     ``progress(done, total)`` follows every measurement."""
     n_max = drafter.block_size if n_max is None else n_max
     sizes = list(range(1, n_max + 2))
@@ -151,10 +153,20 @@ def measure_profile(
         per_context[context] = timings
         anchor = mx.array([int(prompt[-1].item())])
         block = drafter.block_tokens(anchor)
+        # A round's drafter takes in the features of the tokens committed
+        # since the last round (here one) and drafts a block: it does not
+        # take in the whole context again.
+        primed = drafter.make_cache()
+        drafter(block, context - 1, features[:, :-1], primed)
+        mx.eval(primed.keys, primed.values)
 
-        def draft(features=features, block=block, anchor=anchor, context=context):
-            draft_cache = drafter.make_cache()
-            hidden = drafter(block, context, features, draft_cache)
+        def draft(
+            features=features, block=block, anchor=anchor, primed=primed, at=context
+        ):
+            draft_cache = replace(
+                primed, keys=list(primed.keys), values=list(primed.values)
+            )
+            hidden = drafter(block, at, features[:, -1:], draft_cache)
             proposal = drafter.propose(
                 hidden, anchor, drafter.block_size, SamplingParams(), None
             )
@@ -178,8 +190,11 @@ def measure_profile(
     )
 
 
-def load_profile(model: nn.Module, drafter: DSparkDrafter) -> StepRateCurve | None:
-    """The cached profile for this pair on this machine, or None."""
+def load_profile(
+    model: nn.Module, drafter: DSparkDrafter, n_max: int = 0
+) -> StepRateCurve | None:
+    """The cached profile for this pair on this machine, or None (also when it
+    was not measured as far as verifying ``n_max`` drafts)."""
     key = profile_key(model, drafter)
     path = profile_path(key)
     if not path.is_file():
@@ -188,7 +203,9 @@ def load_profile(model: nn.Module, drafter: DSparkDrafter) -> StepRateCurve | No
         curve = StepRateCurve.load(path)
     except DSparkError:
         return None
-    return curve if curve.meta.get("key") == key else None
+    if curve.meta.get("key") != key or curve.batch_sizes[-1] < n_max + 1:
+        return None
+    return curve
 
 
 def get_profile(
@@ -196,14 +213,17 @@ def get_profile(
     drafter: DSparkDrafter,
     profile: str = "auto",
     progress: Callable[[int, int], None] | None = None,
+    n_max: int | None = None,
     **measure_kwargs,
 ) -> StepRateCurve:
-    """``"auto"``: the cached profile, measured and cached when missing;
-    ``"refresh"``: always re-measure (and cache)."""
+    """``"auto"``: the cached profile, measured and cached when missing or
+    when it stops short of verifying ``n_max`` drafts (default: the drafter's
+    block); ``"refresh"``: always re-measure (and cache)."""
     if profile not in ("auto", "refresh"):
         raise DSparkError(f"profile must be 'auto' or 'refresh', got {profile!r}.")
+    n_max = drafter.block_size if n_max is None else n_max
     if profile == "auto":
-        cached = load_profile(model, drafter)
+        cached = load_profile(model, drafter, n_max)
         if cached is not None:
             return cached
     key = profile_key(model, drafter)
@@ -211,7 +231,7 @@ def get_profile(
         "Measuring this pair's cost profile on this machine into %s.", profile_path(key)
     )
     target = TargetAdapter(model, drafter.config.target_layer_ids)
-    curve = measure_profile(target, drafter, progress=progress, **measure_kwargs)
+    curve = measure_profile(target, drafter, n_max, progress=progress, **measure_kwargs)
     curve.meta["key"] = key
     try:
         write_text_atomic(profile_path(key), curve.to_json())

@@ -33,6 +33,16 @@ def pair_factory(tmp_path_factory):
     return make
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache(tmp_path_factory):
+    """Cost profiles and calibrations measured by the tests stay out of the
+    user's cache (tests that need an empty one set their own)."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("MLX_DSPARK_CACHE", str(tmp_path_factory.mktemp("cache")))
+    yield
+    patch.undo()
+
+
 @pytest.fixture(autouse=True)
 def _fresh_random_state():
     mx.random.seed(0)

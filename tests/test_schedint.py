@@ -2,6 +2,7 @@
 exact sampling test that a future-peeking scheduler fails), calibration CLI,
 cost profile cache, memory guard inside a generation, batched verification."""
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -488,10 +489,15 @@ def test_calibration_rounds_spread_over_prompts(pair_factory):
 def test_calibrate_cli_end_to_end(pair_factory, tmp_path, capsys):
     target_dir, drafter_dir = _private_pair(pair_factory, tmp_path, block_size=8)
     model, tokenizer, drafter = load(target_dir, drafter_dir)
-    # No DSpark argument: the adaptive policy, on running estimates alone.
+    # No DSpark argument: the adaptive policy, on running estimates and the
+    # pair's cost profile (measured once, cached; this drafter does not copy,
+    # so its rounds verify up to its block of 8).
     resolved = resolve(model, drafter)
     assert resolved.mode == "adaptive" and resolved.note is None
-    assert resolved.policy.calibration is None and resolved.policy.profile is None
+    assert resolved.policy.calibration is None
+    measured = resolved.policy.profile
+    assert measured.batch_sizes == list(range(1, 10))
+    assert resolved.profile_path is not None
     assert resolve(model, drafter, confidence_threshold=0.5).mode == "threshold"
     assert resolve(model, drafter, num_draft=4).mode == "off"
 
@@ -531,13 +537,10 @@ def test_calibrate_cli_end_to_end(pair_factory, tmp_path, capsys):
     model, tokenizer, drafter = load(target_dir, drafter_dir)
     found = find_calibration(model, drafter)
     assert found is not None and found[1] == written
-    # The default uses the calibration, and the cached profile once there is one.
+    # The default uses the calibration, and the profile it cached.
     resolved = resolve(model, drafter)
-    assert resolved.mode == "adaptive" and resolved.policy.profile is None
-    assert resolved.policy.calibration.temperatures == data["temperatures"]
-    get_profile(model, drafter, contexts=(16,), repeats=1)
-    resolved = resolve(model, drafter)
-    assert resolved.mode == "adaptive" and resolved.policy.profile is not None
+    assert resolved.mode == "adaptive"
+    assert resolved.policy.profile.steps_per_second == measured.steps_per_second
     assert resolved.policy.calibration.temperatures == data["temperatures"]
     resolved = resolve(model, drafter, scheduler="auto")
     assert resolved.mode == "auto" and resolved.note is None
@@ -597,6 +600,40 @@ def test_profile_cache(pair_factory, tmp_path, caplog):
     other.fc.weight = other.fc.weight * 1.5
     assert profile_key(model, other)["drafter"] != key["drafter"]
     assert load_profile(model, other) is None
+
+
+def test_default_profile_reaches_copied_rounds(pair_factory, tmp_path, caplog):
+    """With a drafter that copies, the default policy's profile is measured as
+    far as its longest copied round (the cost of verifying 9..16 tokens is not
+    a line on every machine); a cached profile that stops at the block is
+    measured again, and a later generation reuses the earlier one's."""
+    target_dir, drafter_dir = _private_pair(pair_factory, tmp_path, block_size=8)
+    model, _, drafter = load(target_dir, drafter_dir)
+    block = get_profile(model, drafter, contexts=(16,), repeats=1)
+    assert block.batch_sizes == list(range(1, 10))
+    assert resolve(model, drafter).policy.profile.batch_sizes == block.batch_sizes
+    drafter.config = dataclasses.replace(drafter.config, context_copy_bias=10.0)
+    drafter.policy_memory = None
+    settings = build_settings(drafter.block_size)
+    assert settings.copy_draft == 15
+    with caplog.at_level("INFO", logger="mlx_dspark"):
+        resolved = resolve(model, drafter)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"Measuring this pair's cost profile on this machine into "
+        f"{profile_path(profile_key(model, drafter))}."
+    ]
+    caplog.clear()
+    assert resolved.policy.profile.batch_sizes == list(range(1, 17))
+    assert load_profile(model, drafter, 15) is not None
+    assert load_profile(model, drafter, 16) is None
+    # The auto scheduler takes the longer profile as it is.
+    with caplog.at_level("INFO", logger="mlx_dspark"):
+        auto = resolve(model, drafter, scheduler="auto")
+        profile_path(profile_key(model, drafter)).unlink()
+        again = resolve(model, drafter)
+    assert not caplog.records
+    assert auto.policy.curve.batch_sizes == list(range(1, 17))
+    assert again.policy.profile is resolved.policy.profile
 
 
 def test_default_scheduler_is_adaptive_and_quiet(pair_factory, capsys):
