@@ -286,7 +286,7 @@ def resolve_policy(
         longest = settings.copy_draft if copies else settings.num_draft
         guard = MemoryGuard.from_settings(knobs, longest, memory_source)
         earlier = drafter.policy_memory
-        curve = getattr(earlier, "profile", None)
+        curve = None if earlier is None else earlier.profile
         if curve is None or curve.batch_sizes[-1] < longest + 1:
             curve = get_profile(model, drafter, progress=progress, n_max=longest)
         policy = AdaptivePolicy(

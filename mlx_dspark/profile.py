@@ -227,7 +227,8 @@ def get_profile(
         if cached is not None:
             return cached
     key = profile_key(model, drafter)
-    logging.getLogger("mlx_dspark").info(
+    logger = logging.getLogger("mlx_dspark")
+    logger.info(
         "Measuring this pair's cost profile on this machine into %s.", profile_path(key)
     )
     target = TargetAdapter(model, drafter.config.target_layer_ids)
@@ -236,5 +237,9 @@ def get_profile(
     try:
         write_text_atomic(profile_path(key), curve.to_json())
     except OSError:
-        pass  # an unwritable cache only costs a re-measurement next time
+        logger.warning(
+            "Could not write the cost profile to %s: each new process measures it "
+            "again (MLX_DSPARK_CACHE names a writable cache directory).",
+            profile_path(key),
+        )
     return curve

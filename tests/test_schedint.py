@@ -602,6 +602,25 @@ def test_profile_cache(pair_factory, tmp_path, caplog):
     assert load_profile(model, other) is None
 
 
+def test_an_unwritable_cache_says_the_profile_is_measured_again(
+    pair_factory, tmp_path, monkeypatch, caplog
+):
+    model, _, drafter, *_ = pair_factory(block_size=8)
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("")
+    monkeypatch.setenv("MLX_DSPARK_CACHE", str(blocked))
+    with caplog.at_level("INFO", logger="mlx_dspark"):
+        curve = get_profile(model, drafter, contexts=(16,), repeats=1)
+    assert curve.batch_sizes == list(range(1, 10))
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [
+        f"Could not write the cost profile to "
+        f"{profile_path(profile_key(model, drafter))}: each new process measures it "
+        "again (MLX_DSPARK_CACHE names a writable cache directory)."
+    ]
+    assert blocked.read_text() == ""
+
+
 def test_default_profile_reaches_copied_rounds(pair_factory, tmp_path, caplog):
     """With a drafter that copies, the default policy's profile is measured as
     far as its longest copied round (the cost of verifying 9..16 tokens is not
