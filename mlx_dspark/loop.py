@@ -280,7 +280,8 @@ def speculative_generate_step(
             yield anchor, False
             continue
         key, round_key = mx.random.split(key)
-        as_is = copy_as_is and offers(copy) and bool((copy[:cap] >= 0).all())
+        offered = offers(copy)
+        as_is = copy_as_is and offered and bool((copy[:cap] >= 0).all())
         if as_is:
             proposal = copied_proposal(mx.array(copy[:cap])[None], target.vocab_size)
         else:
@@ -315,7 +316,7 @@ def speculative_generate_step(
                 draft_time=drafted_at - tic,
                 verify_time=now - drafted_at,
                 wall_time=now - ended,
-                copy_offered=offers(copy),
+                copy_offered=offered,
                 phrases_offered=phrased,
             )
         )

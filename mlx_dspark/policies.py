@@ -273,7 +273,7 @@ def resolve_policy(
     """
     from .calibrate import find_calibration
     from .loop import ThresholdPolicy
-    from .profile import get_profile, profile_key, profile_path
+    from .profile import get_profile, profile_key, profile_path, reaches
 
     knobs = settings.scheduler
     found = find_calibration(model, drafter)
@@ -282,12 +282,12 @@ def resolve_policy(
     if settings.policy == "adaptive":
         from .adaptive import AdaptivePolicy
 
-        copies = drafter.config.context_copy_bias > 0 and settings.copy_draft
-        longest = settings.copy_draft if copies else settings.num_draft
+        copying = drafter.config.context_copy_bias > 0
+        longest = (settings.copy_draft if copying else None) or settings.num_draft
         guard = MemoryGuard.from_settings(knobs, longest, memory_source)
         earlier = drafter.policy_memory
         curve = None if earlier is None else earlier.profile
-        if curve is None or curve.batch_sizes[-1] < longest + 1:
+        if curve is None or not reaches(curve, longest):
             curve = get_profile(model, drafter, progress=progress, n_max=longest)
         policy = AdaptivePolicy(
             calibration,

@@ -203,9 +203,12 @@ def load_profile(
         curve = StepRateCurve.load(path)
     except DSparkError:
         return None
-    if curve.meta.get("key") != key or curve.batch_sizes[-1] < n_max + 1:
-        return None
-    return curve
+    return curve if curve.meta.get("key") == key and reaches(curve, n_max) else None
+
+
+def reaches(curve: StepRateCurve, n_max: int) -> bool:
+    """Whether a profile was measured as far as verifying ``n_max`` drafts."""
+    return curve.batch_sizes[-1] >= n_max + 1
 
 
 def get_profile(
@@ -227,19 +230,18 @@ def get_profile(
         if cached is not None:
             return cached
     key = profile_key(model, drafter)
+    path = profile_path(key)
     logger = logging.getLogger("mlx_dspark")
-    logger.info(
-        "Measuring this pair's cost profile on this machine into %s.", profile_path(key)
-    )
+    logger.info("Measuring this pair's cost profile on this machine into %s.", path)
     target = TargetAdapter(model, drafter.config.target_layer_ids)
     curve = measure_profile(target, drafter, n_max, progress=progress, **measure_kwargs)
     curve.meta["key"] = key
     try:
-        write_text_atomic(profile_path(key), curve.to_json())
+        write_text_atomic(path, curve.to_json())
     except OSError:
         logger.warning(
             "Could not write the cost profile to %s: each new process measures it "
             "again (MLX_DSPARK_CACHE names a writable cache directory).",
-            profile_path(key),
+            path,
         )
     return curve
