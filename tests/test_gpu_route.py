@@ -6,6 +6,7 @@ loss and gradients against mlx-dspark's on a tiny Llama."""
 import mlx_dspark  # noqa: F401  (first: it loads a system OpenBLAS before mlx.core)
 
 # isort: on
+import subprocess
 import sys
 from pathlib import Path
 
@@ -24,10 +25,25 @@ from mlx_dspark.training.loss import loss_terms
 from mlx_dspark.training.model import new_drafter
 from mlx_dspark.training.teacher import OnlineTeacher
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "gpu"))
+GPU_ROUTE = Path(__file__).resolve().parents[1] / "examples" / "gpu"
+sys.path.insert(0, str(GPU_ROUTE))
 from codec import read_parts  # noqa: E402
 
 VOCAB, MASK, BLOCK = 96, 95, 5
+
+
+@pytest.mark.parametrize("script", ["pack.py", "install.py"])
+def test_the_mlx_steps_start_from_any_directory(tmp_path, script):
+    """The route's MLX steps import what they need when run as scripts, as
+    its README runs them, from a directory that is not the repository's."""
+    run = subprocess.run(
+        [sys.executable, str(GPU_ROUTE / script), "--help"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "usage:" in run.stdout
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -37,8 +37,8 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 import train_default_drafter as recipe  # noqa: E402
 from codec import read_parts  # noqa: E402
+from mlx_dspark.convert.gguf import QUANT_BITS, plan_conversion, unpermute_rows  # noqa: E402
 
-from convert.gguf import QUANT_BITS, plan_conversion, unpermute_rows  # noqa: E402
 from mlx_dspark.default import find_target_gguf, target_dir  # noqa: E402
 from mlx_dspark.utils import write_text_atomic  # noqa: E402
 
