@@ -12,8 +12,8 @@ ratio. Only the ratio means much on a shared machine.
 import mlx_dspark  # noqa: F401  (first: it loads a system OpenBLAS before mlx.core)
 
 # isort: on
+import argparse
 import statistics
-import sys
 import time
 
 import mlx.core as mx
@@ -38,8 +38,11 @@ def decode_rate(steps, tokens: int) -> float:
 
 
 def main() -> None:
-    tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 48
-    repeats = int(sys.argv[2]) if len(sys.argv) > 2 else 5
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("tokens", type=int, nargs="?", default=48)
+    parser.add_argument("repeats", type=int, nargs="?", default=5)
+    args = parser.parse_args()
+    tokens, repeats = args.tokens, args.repeats
     model, tokenizer, drafter = load(*default_pair())
     target = TargetAdapter(model, drafter.config.target_layer_ids)
     prompt = mx.array(

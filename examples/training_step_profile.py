@@ -15,8 +15,8 @@ with the target run on the fly, the second with a teacher store.
 import mlx_dspark  # noqa: F401  (first: it loads a system OpenBLAS before mlx.core)
 
 # isort: on
+import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -42,8 +42,11 @@ def seconds() -> float:
 
 
 def main() -> None:
-    anchors = int(sys.argv[1]) if len(sys.argv) > 1 else 160
-    count = int(sys.argv[2]) if len(sys.argv) > 2 else 4
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("anchors", type=int, nargs="?", default=160)
+    parser.add_argument("sequences", type=int, nargs="?", default=4)
+    args = parser.parse_args()
+    anchors, count = args.anchors, args.sequences
     path = target_dir()
     model, tokenizer = load(str(path))
     config = json.loads((path / "config.json").read_text())
