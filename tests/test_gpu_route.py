@@ -66,6 +66,27 @@ def test_codec_rebuilds_mlx_dequantize_bit_for_bit(tmp_path, bits):
     assert np.array_equal(rebuilt["norm"], entries["norm"])
 
 
+def test_pack_says_what_each_device_call_carries(tmp_path, capsys):
+    import pack
+
+    for folder, size in (("part-a", 65 * 2**20), ("part-b", 1000), ("data", 10)):
+        (tmp_path / folder).mkdir()
+        with open(tmp_path / folder / "blob", "wb") as f:
+            f.truncate(size)  # sparse: the size counts, no disk is used
+    pack.report_calls(tmp_path)
+    lines = capsys.readouterr().out.splitlines()
+    tree = pack.tree_bytes()
+    assert tree is not None and tree > 0
+    assert lines[0].startswith(
+        f"first call (part-a): {(tree + 65 * 2**20) / 2**20:.1f}"
+    )
+    assert lines[1].startswith("warning: the first call (part-a) would carry more")
+    assert lines[2].startswith(
+        f"second call (part-b, data): {(tree + 1010) / 2**20:.1f}"
+    )
+    assert len(lines) == 3
+
+
 try:
     import torch
     import torch_drafter as td

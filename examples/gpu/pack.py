@@ -22,6 +22,7 @@ import gzip
 import json
 import random
 import shutil
+import subprocess
 import sys
 import zlib
 from pathlib import Path
@@ -43,6 +44,8 @@ from mlx_dspark.default import find_target_gguf, target_dir  # noqa: E402
 from mlx_dspark.utils import write_text_atomic  # noqa: E402
 
 PART_LIMIT = 48 * 10**6
+CALL_LIMIT = 64 * 2**20  # what one device call may carry, working tree included
+ROOT = HERE.parent.parent
 BEGINNINGS_PER_MODULE, DOCSTRINGS_PER_MODULE = 5, 4
 CODE_TEXT_CHARS, DOC_TEXT_CHARS = 2_400_000, 900_000
 
@@ -188,6 +191,51 @@ def write_data(out: Path, tokenizer, exclude: Path | None) -> None:
     )
 
 
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def tree_bytes() -> int | None:
+    """Bytes of the working tree a device call copies: tracked files and
+    untracked ones git does not ignore (None outside a git checkout)."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    paths = (ROOT / name for name in listed.decode().split("\0") if name)
+    return sum(p.stat().st_size for p in paths if p.is_file())
+
+
+def report_calls(out: Path) -> None:
+    """What each of the two device calls carries, against what a call takes."""
+    tree = tree_bytes()
+    if tree is None:
+        return
+    calls = {
+        "first call (part-a)": folder_bytes(out / "part-a"),
+        "second call (part-b, data)": folder_bytes(out / "part-b")
+        + folder_bytes(out / "data"),
+    }
+    for name, carried in calls.items():
+        total = tree + carried
+        print(
+            f"{name}: {total / 2**20:.1f} MiB with the working tree "
+            f"({tree / 2**20:.1f} MiB) of the {CALL_LIMIT / 2**20:.0f} MiB a call takes",
+            flush=True,
+        )
+        if total > CALL_LIMIT:
+            print(
+                f"warning: the {name} would carry more than a device call takes; "
+                "keep large files out of the working tree",
+                flush=True,
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=".gpu", type=Path)
@@ -211,6 +259,7 @@ def main() -> None:
     shutil.rmtree(args.out, ignore_errors=True)
     staging.rename(args.out)
     print(f"wrote {args.out}", flush=True)
+    report_calls(args.out)
 
 
 if __name__ == "__main__":
