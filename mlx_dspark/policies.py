@@ -273,7 +273,7 @@ def resolve_policy(
     """
     from .calibrate import find_calibration
     from .loop import ThresholdPolicy
-    from .profile import get_profile, profile_key, profile_path, reaches
+    from .profile import cached_profile_path, get_profile, reaches
 
     knobs = settings.scheduler
     found = find_calibration(model, drafter)
@@ -299,8 +299,7 @@ def resolve_policy(
         if earlier is not None:
             policy.remember(earlier)
         drafter.policy_memory = policy
-        used = profile_path(profile_key(model, drafter))
-        used = str(used) if used.is_file() else None
+        used = cached_profile_path(model, drafter)
         return ResolvedPolicy(policy, "adaptive", None, cal_path, used)
     telemetry = telemetry_for(found)
     if settings.policy != "auto":
@@ -316,6 +315,5 @@ def resolve_policy(
     curve = get_profile(model, drafter, settings.profile, progress=progress)
     guard = MemoryGuard.from_settings(knobs, settings.num_draft, memory_source)
     policy = SchedulerPolicy(calibration, telemetry, curve, knobs, guard)
-    used = profile_path(profile_key(model, drafter))
-    used = str(used) if used.is_file() else None
+    used = cached_profile_path(model, drafter)
     return ResolvedPolicy(policy, "auto", note, cal_path, used)

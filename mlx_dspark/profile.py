@@ -97,6 +97,12 @@ def profile_path(key: dict) -> Path:
     return cache_dir() / "profiles" / f"{_digest([key])}.json"
 
 
+def cached_profile_path(model: nn.Module, drafter: DSparkDrafter) -> str | None:
+    """The file this pair's profile is cached in on this machine, if it is."""
+    path = profile_path(profile_key(model, drafter))
+    return str(path) if path.is_file() else None
+
+
 def _median_time(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats):
