@@ -96,6 +96,32 @@ except ImportError:  # PyTorch is the device's, not a dependency
 needs_torch = pytest.mark.skipif(torch is None, reason="PyTorch is not installed")
 
 
+@needs_torch
+def test_a_lost_stash_is_named_as_such(tmp_path):
+    """A second call that lands on a fresh machine finds no stashed part-a:
+    it stops with one sentence that says why and what to run, not a traceback."""
+    lost = tmp_path / "no-part-b"
+    stashed = f"/tmp/gpu-stash/part-a-{tmp_path.name}"
+    run = subprocess.run(
+        [sys.executable, str(GPU_ROUTE / "train.py"), "--parts", f"{stashed},{lost}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 2
+    assert "Traceback" not in run.stderr
+    assert f"{stashed} is gone: the machine" in run.stderr
+    assert "run the --stash call again" in run.stderr
+    elsewhere = subprocess.run(
+        [sys.executable, str(GPU_ROUTE / "train.py"), "--parts", str(lost)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert elsewhere.returncode == 2
+    assert "not a folder of pack.py's output" in elsewhere.stderr
+
+
 @pytest.fixture(scope="module")
 def tiny():
     """A tiny tied-embedding Llama (with a peaked head, so greedy has clear

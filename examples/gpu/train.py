@@ -231,6 +231,13 @@ def main() -> None:
         parser.error("--parts is required: pack.py's part-a,part-b (or --stash)")
     parts = args.parts.split(",")
     missing = [str(p) for p in (*parts, args.data) if not Path(p).is_dir()]
+    gone = [p for p in missing if Path(p).is_relative_to(STASH)]
+    if gone:
+        parser.error(
+            f"{', '.join(gone)} is gone: the machine the first call stashed it "
+            "on went back (a machine stays only about 30 s after a call), so run "
+            "the --stash call again and this one right after it"
+        )
     if missing:
         parser.error(f"not a folder of pack.py's output: {', '.join(missing)}")
     run = Run(args.out)
