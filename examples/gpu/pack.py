@@ -120,7 +120,7 @@ def write_parts(out: Path, gguf: Path, reference: Path) -> None:
                 f"The packed {name} is not bit for bit the float32 target's."
             )
     for name in ("part-a", "part-b"):
-        total = sum(f.stat().st_size for f in (out / name).iterdir())
+        total = folder_bytes(out / name)
         if total > PART_LIMIT:
             raise SystemExit(f"{name} holds {total} bytes, over one call's limit.")
         print(f"{name}: {total / 1e6:.1f} MB", flush=True)
