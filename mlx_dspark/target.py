@@ -303,11 +303,15 @@ class TargetAdapter:
 
     @property
     def hidden_size(self) -> int:
-        return self.inner.embed_tokens.weight.shape[-1]
+        """The model width, read from the embedding module (a quantized
+        embedding packs its weight, so its shape is not the width)."""
+        embed = self.inner.embed_tokens
+        return getattr(embed, "dims", None) or embed.weight.shape[-1]
 
     @property
     def vocab_size(self) -> int:
-        return self.inner.embed_tokens.weight.shape[0]
+        embed = self.inner.embed_tokens
+        return getattr(embed, "num_embeddings", None) or embed.weight.shape[0]
 
     @property
     def num_layers(self) -> int:
