@@ -1,53 +1,84 @@
 """The target adapter: the one place that knows mlx-lm model internals.
 
-It runs the target's own layers so that the hidden states after
-``target_layer_ids`` come out of the same forward that produces the logits,
-and it rolls the KV cache back after rejected drafts.
+The adapter runs the target's own forward (its inner model's ``__call__``) on
+a shallow copy of that inner model whose ``layers`` list holds thin probes
+around the same layer modules: a probe records a layer's output (the hidden
+states after ``target_layer_ids``) and, for a recurrent layer, what it needs
+to roll its state back. The weights are shared and the user's model is left
+alone, so every family mlx-lm builds that way runs as mlx-lm runs it.
+
+Rejected drafts roll back exactly for every cache kind mlx-lm gives the
+supported families: full-attention ``KVCache`` is trimmed; sliding-window
+layers keep a :class:`WindowKVCache` instead of mlx-lm's ``RotatingKVCache``;
+linear-attention layers (``ArraysCache``: conv and gated-delta state) keep a
+:class:`RecurrentCache`, which remembers the state before the last update and
+replays the layer over the kept tokens.
 
 Tree verification (:meth:`TargetAdapter.tree_forward`) needs what mlx-lm's
-``Model.__call__`` cannot take: an ancestor mask and a position per node. The
-adapter therefore runs the decoder blocks of the supported families itself
-(pre-norm residual blocks whose attention has ``q/k/v/o_proj``, optional
-``q_norm``/``k_norm``, ``rope``, ``scale``): the layer's own projections and
+``Model.__call__`` cannot take: an ancestor mask and a position per node. For
+the families whose layers are plain pre-norm blocks (``q/k/v/o_proj``,
+optional ``q_norm``/``k_norm``, ``rope``, ``scale``) with full-attention
+caches the adapter runs those blocks itself: the layer's own projections and
 norms, its own ``rope`` called with per-node offsets (tokens moved into the
 batch axis, where ``mx.fast.rope`` takes one offset per row), the layer's own
-KV cache, and :func:`mlx_dspark.metal.tree_attention` for the attention. No
-mlx-lm class, module or instance is modified.
-
-Gemma-4 (``gemma4_text`` and the text model of ``gemma4``) runs as
-Gemma4TextModel does: scaled embeddings, per-layer inputs, sliding-window
-and full-attention masks, KV-shared layers and soft-capped logits. Its
-sliding-window layers keep a :class:`WindowKVCache` instead of mlx-lm's
-rotating cache so that rejected drafts roll back exactly; tree verification
-is refused for it.
+KV cache, and :func:`mlx_dspark.metal.tree_attention` for the attention.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask, create_causal_mask
-from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import (
+    ArraysCache,
+    BatchKVCache,
+    KVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
 from mlx_lm.models.gemma4_text import logit_softcap
 
 from .errors import DSparkError
 from .metal.dispatch import tree_attention
 from .metal.numpy_reference import ancestor_bitmask
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral", "gemma4_text", "gemma4")
-GEMMA4_TYPES = ("gemma4_text", "gemma4")
-# What the Gemma-4 path reads from mlx-lm's Gemma4TextModel.
-_GEMMA4_PARTS = (
-    "embed_scale",
-    "window_size",
-    "previous_kvs",
-    "hidden_size_per_layer_input",
-    "_get_per_layer_inputs",
-    "_project_per_layer_inputs",
-    "_make_masks",
-)
+
+@dataclass(frozen=True)
+class Family:
+    """What the adapter knows of one mlx-lm model type.
+
+    ``tree``: its decoder layers are the plain pre-norm blocks
+    :meth:`TargetAdapter.tree_forward` runs (a family with sliding-window or
+    recurrent layers is refused there by its caches anyway). ``note``: what
+    stands in the way of trees, for the refusal.
+    """
+
+    tree: bool
+    note: str = ""
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family(tree=True),
+    "mistral": Family(tree=True),
+    "qwen2": Family(tree=True),
+    "qwen3": Family(tree=True),
+    "qwen3_moe": Family(tree=True),
+    "phi3": Family(tree=False, note="its fused qkv projection"),
+    "gemma3_text": Family(tree=False, note="sliding-window and sandwich-norm layers"),
+    "gemma3": Family(tree=False, note="sliding-window and sandwich-norm layers"),
+    "gemma4_text": Family(tree=False, note="sliding-window and KV-shared layers"),
+    "gemma4": Family(tree=False, note="sliding-window and KV-shared layers"),
+    "gpt_oss": Family(tree=False, note="sliding-window layers and attention sinks"),
+    "qwen3_next": Family(tree=False, note="linear-attention layers"),
+    "qwen3_5": Family(tree=False, note="linear-attention layers"),
+    "qwen3_5_moe": Family(tree=False, note="linear-attention layers"),
+}
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+
 _TREE_BLOCK_PARTS = ("self_attn", "input_layernorm", "post_attention_layernorm", "mlp")
 _TREE_ATTENTION_PARTS = (
     "q_proj",
@@ -59,6 +90,23 @@ _TREE_ATTENTION_PARTS = (
     "n_heads",
     "n_kv_heads",
 )
+
+
+def model_type_of(model: nn.Module) -> str | None:
+    return getattr(model, "model_type", None) or getattr(
+        getattr(model, "args", None), "model_type", None
+    )
+
+
+def unsupported_reason(model_type: str | None) -> str | None:
+    """One sentence on why a model type cannot be a target, or None."""
+    if model_type in FAMILIES:
+        return None
+    return (
+        f"Target model type {model_type!r} is not supported: the adapter has no "
+        "entry for it (its layer taps and cache rollback are untested); "
+        f"supported types are {', '.join(SUPPORTED_MODEL_TYPES)}."
+    )
 
 
 def tree_depths(parents: Sequence[int]) -> list[int]:
@@ -177,6 +225,106 @@ class WindowKVCache:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
 
+class RecurrentCache(ArraysCache):
+    """A linear-attention layer's state (mlx-lm's ``ArraysCache``: conv and
+    gated-delta state) that can be rolled back within its last update.
+
+    A recurrent state cannot be un-appended, so the adapter's probe hands the
+    cache, at each update, the state before it and a replay: the same layer
+    called again over the first ``k`` tokens of that update. Rolling back
+    ``n`` of the update's ``L`` tokens restores the earlier state and replays
+    ``L - n`` tokens; only this layer runs, and only its state is evaluated.
+    (Keeping the state after every token instead needs the recurrence run one
+    token at a time during verification; ``examples/recurrent_rollback_ab.py``
+    measures both.)
+    """
+
+    def __init__(self, size: int):
+        super().__init__(size)
+        self._before: list | None = None
+        self._replay: Callable[[int], None] | None = None
+        self._length = 0
+
+    def remember(
+        self, before: list, replay: Callable[[int], None], length: int
+    ) -> None:
+        """The state before an update of ``length`` tokens, and its replay."""
+        self._before, self._replay, self._length = before, replay, length
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        if n <= 0:
+            return 0
+        if self._before is None or n > self._length:
+            raise DSparkError(
+                "A linear-attention state rolls back at most the tokens of its "
+                "last update."
+            )
+        self.cache = list(self._before)
+        self._length -= n
+        if self._length:
+            self._replay(self._length)
+        return n
+
+
+def _rollbackable(cache):
+    """The cache the adapter keeps in place of one mlx-lm makes for a layer."""
+    if isinstance(cache, KVCache):
+        return cache
+    if isinstance(cache, RotatingKVCache) and cache.keep == 0:
+        return WindowKVCache(cache.max_size)
+    if type(cache) is ArraysCache:
+        return RecurrentCache(len(cache.cache))
+    raise DSparkError(
+        f"The target's {type(cache).__name__} layers cannot be rolled back after "
+        "rejected drafts."
+    )
+
+
+class _Probe:
+    """A layer as the inner model sees it, recording what the adapter needs.
+
+    It records the layer's input (``input_tap``: DeepSpec's tap -1 is the
+    first layer's input) and/or output (``output_tap``) into ``taps``, and
+    gives a :class:`RecurrentCache` its state before the call and a replay.
+    Attribute reads go to the layer, so the inner model's own code (layer
+    types, ``is_linear``, ...) sees the layer itself.
+    """
+
+    def __init__(
+        self,
+        layer: nn.Module,
+        index: int,
+        taps: dict[int, mx.array],
+        input_tap: bool,
+        output_tap: bool,
+    ):
+        self.layer, self.index, self.taps = layer, index, taps
+        self.input_tap, self.output_tap = input_tap, output_tap
+
+    def __getattr__(self, name: str):
+        return getattr(self.layer, name)
+
+    def __call__(self, x: mx.array, mask=None, cache=None, **kwargs):
+        if self.input_tap:
+            self.taps[-1] = x
+        before = list(cache.cache) if isinstance(cache, RecurrentCache) else None
+        out = self.layer(x, mask, cache, **kwargs)
+        if before is not None:
+            layer = self.layer
+
+            def replay(k: int) -> None:
+                head = mask[..., :k] if isinstance(mask, mx.array) else mask
+                layer(x[:, :k], head, cache, **kwargs)
+
+            cache.remember(before, replay, x.shape[1])
+        if self.output_tap:
+            self.taps[self.index] = out[0] if isinstance(out, tuple) else out
+        return out
+
+
 class BatchRow:
     """A request's row in a :class:`RequestBatch`: what a batched request
     holds instead of its own cache (:meth:`TargetAdapter.rollback` takes
@@ -260,27 +408,27 @@ class TargetAdapter:
     """
 
     def __init__(self, model: nn.Module, layer_ids: Sequence[int] = ()):
-        model_type = getattr(model, "model_type", None) or getattr(
-            getattr(model, "args", None), "model_type", None
-        )
-        # Gemma-4's multimodal wrapper holds the text model as language_model.
-        text = (
-            getattr(model, "language_model", model) if model_type == "gemma4" else model
-        )
+        model_type = model_type_of(model)
+        reason = unsupported_reason(model_type)
+        # Multimodal wrappers (gemma3, gemma4, qwen3_5) hold the text model.
+        text = getattr(model, "language_model", model)
         inner = getattr(text, "model", None)
-        if model_type not in SUPPORTED_MODEL_TYPES or not all(
+        if reason is None and not all(
             hasattr(inner, name) for name in ("embed_tokens", "layers", "norm")
         ):
-            raise DSparkError(
-                f"Target model type {model_type!r} is not supported; "
-                f"supported families are {', '.join(SUPPORTED_MODEL_TYPES)}."
+            reason = (
+                f"This mlx-lm version's {model_type} model lacks the embedding, "
+                "layers and final norm the adapter reads; use the mlx-lm version "
+                "this package pins."
             )
+        if reason is not None:
+            raise DSparkError(reason)
         self.model = model
         self.model_type = model_type
+        self.family = FAMILIES[model_type]
         self.text = text
         self.inner = inner
         self.layers = inner.layers
-        self.is_gemma4 = model_type in GEMMA4_TYPES
         self.layer_ids = [int(i) for i in layer_ids]
         last = len(self.layers) - 1
         for i in self.layer_ids:
@@ -289,17 +437,23 @@ class TargetAdapter:
                     f"target_layer_ids {self.layer_ids} must lie in -1..{last} "
                     f"for a target with {len(self.layers)} layers."
                 )
-        if self.is_gemma4:
-            if not all(hasattr(inner, name) for name in _GEMMA4_PARTS):
-                raise DSparkError(
-                    "This mlx-lm version's Gemma-4 model lacks what the adapter "
-                    "runs; use the mlx-lm version this package pins."
-                )
-        elif any(getattr(layer, "use_sliding", False) for layer in self.layers):
-            raise DSparkError(
-                "The target uses sliding-window attention, whose cache cannot be "
-                "rolled back after rejected drafts."
-            )
+        self.cache_kinds = tuple(type(c) for c in self.make_cache())
+
+    @property
+    def plain_kv(self) -> bool:
+        """Whether every layer keeps a full-attention ``KVCache``: what batched
+        verification across requests, prompt-cache reuse and trees need."""
+        return all(issubclass(kind, KVCache) for kind in self.cache_kinds)
+
+    @property
+    def rollback_kinds(self) -> list[str]:
+        """How each kind of layer this target has rolls back, for users."""
+        names = {
+            KVCache: "trim",
+            WindowKVCache: "sliding window un-appended",
+            RecurrentCache: "state restored and replayed",
+        }
+        return sorted({names[kind] for kind in self.cache_kinds})
 
     @property
     def hidden_size(self) -> int:
@@ -325,7 +479,9 @@ class TargetAdapter:
     @property
     def tied_head(self) -> bool:
         """Whether the LM head is the embedding matrix (no ``lm_head`` module)."""
-        return "lm_head" not in self.text
+        return "lm_head" not in self.text or bool(
+            getattr(self.text, "tie_word_embeddings", False)
+        )
 
     @property
     def head(self) -> nn.Module:
@@ -337,45 +493,30 @@ class TargetAdapter:
         return self.inner.embed_tokens(tokens)
 
     def lm_head(self, hidden: mx.array) -> mx.array:
-        """Logits as the model's own call makes them (Gemma-4: soft-capped)."""
-        if "lm_head" in self.text:
-            logits = self.text.lm_head(hidden)
-        else:
+        """Logits as the model's own call makes them from the final normalised
+        state (soft-capped where the family caps them)."""
+        if self.tied_head:
             logits = self.inner.embed_tokens.as_linear(hidden)
+        else:
+            logits = self.text.lm_head(hidden)
         cap = getattr(self.text, "final_logit_softcapping", None)
         return logit_softcap(cap, logits) if cap else logits
 
     def make_cache(self) -> list:
-        """One cache per layer that keeps its own keys and values. Gemma-4's
-        sliding-window layers get a :class:`WindowKVCache` instead of mlx-lm's
-        rotating cache; its KV-shared layers have none (they read an earlier
-        layer's)."""
-        if self.is_gemma4:
-            kinds = [
-                layer.self_attn.is_sliding
-                for layer in self.layers
-                if layer.self_attn.has_kv
-            ]
-            window = self.inner.window_size
-            return [
-                WindowKVCache(window) if sliding else KVCache() for sliding in kinds
-            ]
-        cache = make_prompt_cache(self.model)
-        if not all(isinstance(c, KVCache) for c in cache):
-            kinds = sorted({type(c).__name__ for c in cache})
-            raise DSparkError(
-                f"The target's cache ({', '.join(kinds)}) cannot be rolled back "
-                "after rejected drafts."
-            )
-        return cache
+        """mlx-lm's caches for this model, each replaced by one that rolls back
+        exactly: sliding-window layers get a :class:`WindowKVCache`, linear-
+        attention layers a :class:`RecurrentCache` (KV-shared layers have none:
+        they read an earlier layer's)."""
+        return [_rollbackable(c) for c in make_prompt_cache(self.model)]
 
     def snapshot(
         self, cache: list | BatchRow
     ) -> list[tuple[mx.array, mx.array]] | None:
         """A copy of every layer's cached keys and values, evaluated, to be
-        reused by later requests (:meth:`restore`); None for Gemma-4, whose
-        sliding windows keep only their last tokens."""
-        if self.is_gemma4:
+        reused by later requests (:meth:`restore`); None unless every layer
+        keeps all its keys (sliding windows keep only their last tokens and
+        recurrent layers a state)."""
+        if not self.plain_kv:
             return None
         if isinstance(cache, BatchRow):
             batch = cache.batch
@@ -436,27 +577,31 @@ class TargetAdapter:
 
     @property
     def supports_tree(self) -> bool:
-        """Whether every layer has the block structure :meth:`tree_forward` runs.
-
-        Not Gemma-4: its sliding windows, KV-shared layers and per-layer
-        inputs are not in the tree forward."""
-        return not self.is_gemma4 and all(
-            all(hasattr(layer, name) for name in _TREE_BLOCK_PARTS)
-            and all(hasattr(layer.self_attn, name) for name in _TREE_ATTENTION_PARTS)
-            for layer in self.layers
+        """Whether :meth:`tree_forward` can run this target: a family of plain
+        pre-norm blocks, full-attention caches, and every layer built so."""
+        return (
+            self.family.tree
+            and self.plain_kv
+            and all(
+                all(hasattr(layer, name) for name in _TREE_BLOCK_PARTS)
+                and all(
+                    hasattr(layer.self_attn, name) for name in _TREE_ATTENTION_PARTS
+                )
+                for layer in self.layers
+            )
         )
 
     def check_tree(self) -> None:
-        if self.is_gemma4:
-            raise DSparkError(
-                "Tree verification does not support Gemma-4 targets (sliding-window "
-                "and KV-shared layers); use chain drafting (tree budget 0)."
-            )
-        if not self.supports_tree:
-            raise DSparkError(
-                f"Tree verification does not support this {self.model_type} model's "
-                "layer structure; use chain drafting (tree budget 0)."
-            )
+        if self.supports_tree:
+            return
+        if not self.plain_kv:
+            why = "layers that keep a sliding window or a recurrent state"
+        else:
+            why = self.family.note or "its layer structure"
+        raise DSparkError(
+            f"Tree verification does not support {self.model_type} targets "
+            f"({why}); use chain drafting (tree budget 0)."
+        )
 
     def _tree_block(
         self,
@@ -519,66 +664,34 @@ class TargetAdapter:
             h = self._tree_block(layer, h, c, positions, bitmask, force_reference)
             if i in self.layer_ids:
                 taps.append(h)
-        normed, features = self._finish(h, taps)
+        normed, features = self._finish(self.inner.norm(h), taps)
         return self.lm_head(normed), features
 
     def _finish(
-        self, h: mx.array, taps: list[mx.array]
+        self, normed: mx.array, taps: list[mx.array]
     ) -> tuple[mx.array, mx.array | None]:
         """The final normalised state and the tapped features. DeepSpec taps
         Hugging Face's ``hidden_states[i + 1]``, which for the last layer is
         that normalised state, so its tap (always the last) is replaced by it."""
-        normed = self.inner.norm(h)
         if len(self.layers) - 1 in self.layer_ids:
             taps[-1] = normed
         return normed, mx.concatenate(taps, axis=-1) if taps else None
 
     def hidden(self, tokens: mx.array, cache: list) -> tuple[mx.array, mx.array | None]:
         """Final normalised hidden states ``[B, L, d]`` (``lm_head`` input) and
-        tapped features ``[B, L, len(ids) * d]``."""
-        if self.is_gemma4:
-            return self._gemma4_hidden(tokens, cache)
-        h = self.embed(tokens)
-        mask = create_attention_mask(h, cache[0])
-        taps = [h] if -1 in self.layer_ids else []
-        for i, (layer, c) in enumerate(zip(self.layers, cache, strict=True)):
-            h = layer(h, mask, c)
-            if i in self.layer_ids:
-                taps.append(h)
-        return self._finish(h, taps)
-
-    def _gemma4_hidden(
-        self, tokens: mx.array, cache: list
-    ) -> tuple[mx.array, mx.array | None]:
-        """Gemma4TextModel's forward, step for step, with taps: scaled
-        embeddings, per-layer inputs, per-type masks, and KV-shared layers fed
-        the keys, values and RoPE offset of the earlier layer they share."""
-        inner = self.inner
-        embeddings = inner.embed_tokens(tokens)
-        h = embeddings * inner.embed_scale
-        per_layer = [None] * len(self.layers)
-        if inner.hidden_size_per_layer_input:
-            inputs = inner._get_per_layer_inputs(tokens, embeddings)
-            inputs = inner._project_per_layer_inputs(h, inputs)
-            per_layer = [inputs[:, :, i, :] for i in range(len(self.layers))]
-        cache = list(cache) + [None] * (len(self.layers) - len(cache))
-        masks = inner._make_masks(h, cache)
-        taps = [h] if -1 in self.layer_ids else []
-        shared = [(None, None)] * len(self.layers)
-        for i, layer in enumerate(self.layers):
-            kvs, offset = shared[inner.previous_kvs[i]]
-            h, kvs, offset = layer(
-                h,
-                masks[i],
-                cache[i],
-                per_layer_input=per_layer[i],
-                shared_kv=kvs,
-                offset=offset,
-            )
-            shared[i] = (kvs, offset)
-            if i in self.layer_ids:
-                taps.append(h)
-        return self._finish(h, taps)
+        tapped features ``[B, L, len(ids) * d]``, from the inner model's own
+        forward over probed layers."""
+        taps: dict[int, mx.array] = {}
+        layers = list(self.inner.layers)
+        for i, layer in enumerate(layers):
+            recurrent = i < len(cache) and isinstance(cache[i], RecurrentCache)
+            input_tap = i == 0 and -1 in self.layer_ids
+            if recurrent or input_tap or i in self.layer_ids:
+                layers[i] = _Probe(layer, i, taps, input_tap, i in self.layer_ids)
+        probed = copy.copy(self.inner)
+        probed.layers = layers
+        normed = probed(tokens, cache=cache)
+        return self._finish(normed, [taps[i] for i in sorted(self.layer_ids)])
 
     def __call__(
         self, tokens: mx.array, cache: list
@@ -624,10 +737,19 @@ class TargetAdapter:
         appended to its own cache; roll back rejected ones with
         :meth:`rollback`. Returns ``(logits [1, L_r, V], features [1, L_r, F])``
         per request; with ``last_only`` (a prefill) the logits are only the
-        last token's, ``[1, 1, V]``.
+        last token's, ``[1, 1, V]``. Targets with recurrent layers run one
+        forward per request.
         """
         if len(caches) != len(tokens):
             raise ValueError("one token list per cache is required")
+        if RecurrentCache in self.cache_kinds:
+            # A recurrent state cannot be padded: one forward per request.
+            out = []
+            for request, cache in zip(tokens, caches, strict=True):
+                hidden, features = self.hidden(mx.array([list(request)]), cache)
+                logits = self.lm_head(hidden[:, -1:] if last_only else hidden)
+                out.append((logits, features))
+            return out
         lengths, padded = _right_padded(tokens)
         width = padded.shape[1]
         offsets = [c[0].offset for c in caches]

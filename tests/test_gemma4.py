@@ -375,7 +375,7 @@ def test_batched_verification_equals_single(model, temperature):
 def test_tree_verification_is_refused(model):
     adapter = TargetAdapter(model, TAPS)
     assert not adapter.supports_tree
-    with pytest.raises(DSparkError, match="Tree verification does not support Gemma-4"):
+    with pytest.raises(DSparkError, match="Tree verification does not support gemma4_text"):
         adapter.check_tree()
 
 
@@ -474,7 +474,7 @@ def test_stream_generate_with_the_scheduler_and_tree_refusal(
             )
         ]
         assert tokens[: len(expected)] == expected, scheduler
-    with pytest.raises(DSparkError, match="Gemma-4"):
+    with pytest.raises(DSparkError, match="gemma4_text targets"):
         list(stream_generate(model, tokenizer, drafter, prompt, tree_budget=4))
 
 

@@ -9,12 +9,13 @@ from conftest import HEADS, head_id
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.models import llama, qwen2
+from mlx_lm.models.cache import KVCache
 
 from mlx_dspark import load, stream_generate
 from mlx_dspark.errors import DSparkError
 from mlx_dspark.loading import load_drafter
 from mlx_dspark.structured import PairSpec, build_structured_pair
-from mlx_dspark.target import TargetAdapter
+from mlx_dspark.target import TargetAdapter, WindowKVCache
 
 
 def greedy(model, prompt, n=24):
@@ -212,20 +213,27 @@ def test_adapter_rolls_back_the_cache():
     assert np.allclose(np.array(step[0, -1]), np.array(reference[0, -1]), atol=1e-4)
 
 
-def test_sliding_window_target_is_refused():
+def test_sliding_window_llama_keeps_window_caches_and_refuses_trees():
     model = FAMILIES["llama"](
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         sliding_window=16,
     )
-    with pytest.raises(DSparkError, match="cannot be rolled back"):
-        TargetAdapter(model, [0])
+    adapter = TargetAdapter(model, [0])
+    assert [type(c) for c in adapter.make_cache()] == [
+        WindowKVCache,
+        KVCache,
+        WindowKVCache,
+    ]
+    assert not adapter.supports_tree
+    with pytest.raises(DSparkError, match="Tree verification does not support llama"):
+        adapter.check_tree()
 
 
 def test_unsupported_family_is_refused():
     class Other:
         model_type = "mamba"
 
-    with pytest.raises(DSparkError, match="not supported"):
+    with pytest.raises(DSparkError, match="type 'mamba' is not supported"):
         TargetAdapter(Other(), [0])
 
 

@@ -383,8 +383,8 @@ class BatchEngine:
         self.drafter = drafter
         self.config = config or EngineConfig()
         self.target = TargetAdapter(model, drafter.config.target_layer_ids)
-        # Gemma-4's sliding-window caches stay per request (forward_batch).
-        self.batch = None if self.target.is_gemma4 else RequestBatch()
+        # Sliding-window and recurrent caches stay per request (forward_batch).
+        self.batch = RequestBatch() if self.target.plain_kv else None
         # Gemma-4 drafters run their own RoPE; they draft one request at a time.
         self.batch_drafts = not drafter.config.is_gemma4
         self.eos = set(int(t) for t in getattr(tokenizer, "eos_token_ids", ()))
@@ -413,7 +413,7 @@ class BatchEngine:
         if found is not None:
             self.policy.telemetry.calibration = str(found[1])
         self.prompt_cache = None
-        if self.config.prompt_cache_size > 0 and not self.target.is_gemma4:
+        if self.config.prompt_cache_size > 0 and self.target.plain_kv:
             self.prompt_cache = PromptCache(
                 self.config.prompt_cache_size, self.config.prompt_cache_bytes
             )
@@ -580,8 +580,8 @@ class BatchEngine:
             n = min(step, len(slot.request.prompt) - slot.prefilled)
             chunks.append((slot, n))
             budget -= n
-        # Gemma-4's sliding-window layers prefill one request at a time.
-        together = not self.target.is_gemma4
+        # Sliding-window and recurrent layers prefill one request at a time.
+        together = self.target.plain_kv
         for group in prefill_groups(chunks) if together else [[c] for c in chunks]:
             self._prefill_group(group)
 

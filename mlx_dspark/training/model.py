@@ -60,13 +60,18 @@ def drafter_config(
     )
     if draft_vocab_size is not None:
         dspark["draft_vocab_size"] = draft_vocab_size
-    if adapter.is_gemma4:
+    if adapter.model_type in ("gemma4_text", "gemma4"):
         return gemma4_config(target_config, adapter, dspark)
+    # mlx-lm's arguments fill what the config leaves to defaults; multimodal
+    # wrappers (gemma3, qwen3_5) keep the text model's config in text_config.
+    args = getattr(adapter.text, "args", None)
     config = {
-        k: v
-        for k, v in target_config.items()
-        if k not in ("quantization", "quantization_config", "layer_types")
+        **(asdict(args) if is_dataclass(args) else {}),
+        **target_config,
+        **(target_config.get("text_config") or {}),
     }
+    for key in _NOT_DRAFTER_KEYS:
+        config.pop(key, None)
     head_dim = config.get("head_dim") or (
         adapter.hidden_size // config["num_attention_heads"]
     )
@@ -75,6 +80,14 @@ def drafter_config(
     config.setdefault("rms_norm_eps", 1e-6)
     return DraftConfig.from_dict(config)
 
+
+_NOT_DRAFTER_KEYS = (
+    "quantization",
+    "quantization_config",
+    "layer_types",
+    "text_config",
+    "vision_config",
+)
 
 # What DeepSpec's Gemma-4 drafter reads from the text config beyond mlx-lm's
 # arguments, with the values of Hugging Face's Gemma-4 text config.
@@ -102,7 +115,7 @@ def gemma4_config(
         **text,
         **(asdict(args) if is_dataclass(args) else {}),
     }
-    for key in ("quantization", "quantization_config", "layer_types"):
+    for key in _NOT_DRAFTER_KEYS:
         config.pop(key, None)
     config.update(
         architectures=["Gemma4DSparkModel"],

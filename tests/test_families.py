@@ -1,0 +1,313 @@
+"""Every supported mlx-lm family, float and 4-bit (``mlx_lm.convert -q``):
+the adapter reproduces the model's own call, rejected drafts roll back
+exactly (past the sliding window; recurrent state included), greedy output
+equals mlx-lm's with drafts accepted and rejected, a drafter trains, and
+sampling stays exact on a sliding-window and a hybrid family."""
+
+import itertools
+import json
+from collections import Counter
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm import load as mlx_lm_load
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+from test_gemma4 import OracleMode, temporal
+from test_sampling import chi_square, chi_square_critical
+from tiny_families import (
+    CONFIGS,
+    RECURRENT_FAMILIES,
+    SLIDING_FAMILIES,
+    TAPS,
+    VOCAB,
+    WINDOW,
+    quantized_copy,
+    save_family,
+)
+
+from mlx_dspark import load, stream_generate
+from mlx_dspark.config import DraftConfig
+from mlx_dspark.drafter import DSparkDrafter
+from mlx_dspark.loop import GenerationStats, speculative_generate_step
+from mlx_dspark.sampling import SamplingParams, log_probs
+from mlx_dspark.target import RecurrentCache, TargetAdapter, WindowKVCache
+from mlx_dspark.train import TrainArgs, train
+
+FAMILIES = sorted(CONFIGS)
+BITS = [None, 4]
+PROMPT = [5, 7, 1, 2, 9, 3, 4, 0, 2, 11, 6]
+MAX_TOKENS = 5 * WINDOW  # several windows
+
+
+@pytest.fixture(scope="session")
+def family(tmp_path_factory):
+    """(model, tokenizer, directory) of a family, float or quantized, built once."""
+    root = tmp_path_factory.mktemp("families")
+    built = {}
+
+    def get(model_type: str, bits: int | None = None):
+        key = (model_type, bits)
+        if key not in built:
+            path = root / model_type
+            if not path.exists():
+                save_family(path, model_type)
+            if bits is not None:
+                path = quantized_copy(path, root / f"{model_type}-q{bits}", bits)
+            model, tokenizer = mlx_lm_load(str(path))
+            built[key] = (model, tokenizer, path)
+        return built[key]
+
+    return get
+
+
+def plain_greedy(model, prompt, max_tokens=MAX_TOKENS) -> list[int]:
+    return [
+        int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)
+    ]
+
+
+def bigram_drafter(adapter: TargetAdapter, block_size: int = 4) -> DSparkDrafter:
+    """A drafter whose Markov head proposes the target's one-token map (what
+    the target predicts after each token alone): often right, not always."""
+    config = DraftConfig.from_dict(
+        {
+            "architectures": ["Qwen3DSparkModel"],
+            "hidden_size": adapter.hidden_size,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 16,
+            "intermediate_size": 64,
+            "vocab_size": VOCAB,
+            "block_size": block_size,
+            "mask_token_id": VOCAB - 1,
+            "target_layer_ids": TAPS,
+            "markov_rank": VOCAB,
+            "markov_head_type": "vanilla",
+            "enable_confidence_head": True,
+            "confidence_head_with_markov": True,
+        }
+    )
+    mx.random.seed(0)
+    drafter = DSparkDrafter(config)
+    drafter.share_embeddings(adapter.embed, adapter.lm_head)
+    logits, _ = adapter(mx.arange(VOCAB)[:, None], adapter.make_cache())
+    following = np.array(mx.argmax(logits[:, -1], axis=-1))
+    w2 = np.zeros((VOCAB, VOCAB), np.float32)
+    w2[following, np.arange(VOCAB)] = 6.0
+    head = drafter.markov_head
+    head.markov_w1.weight = mx.eye(VOCAB)
+    head.markov_w2.weight = mx.array(w2)
+    mx.eval(drafter.parameters())
+    return drafter
+
+
+@pytest.mark.parametrize("bits", BITS, ids=["float", "q4"])
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_adapter_reproduces_the_models_own_call(family, model_type, bits):
+    model, _, _ = family(model_type, bits)
+    adapter = TargetAdapter(model, [-1, *TAPS, 3])
+    adapter.self_check()
+    assert adapter.hidden_size == 64 and adapter.vocab_size == VOCAB
+    tokens = mx.array([PROMPT * 2])
+    logits, features = adapter(tokens, adapter.make_cache())
+    assert mx.allclose(logits, model(tokens), atol=1e-4).item()
+    assert features.shape == (1, tokens.shape[1], 4 * 64)
+    # The last layer's tap is the normalised state the head reads.
+    assert mx.allclose(adapter.lm_head(features[..., -64:]), logits, atol=1e-4).item()
+    kinds = set(adapter.rollback_kinds)
+    assert ("sliding window un-appended" in kinds) == (model_type in SLIDING_FAMILIES)
+    assert ("state restored and replayed" in kinds) == (
+        model_type in RECURRENT_FAMILIES
+    )
+    assert adapter.supports_tree == (
+        model_type in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+    )
+
+
+def _same_state(ours, theirs, position: int) -> None:
+    if isinstance(theirs, RotatingKVCache):
+        assert isinstance(ours, WindowKVCache)
+        want = tuple(w[..., -WINDOW:, :] for w in temporal(theirs))
+        got = ours.window_state()
+    elif isinstance(theirs, ArraysCache):
+        assert isinstance(ours, RecurrentCache)
+        want, got = theirs.cache, ours.cache
+    else:
+        assert isinstance(ours, KVCache) and ours.offset == theirs.offset == position
+        want = tuple(s[..., :position, :] for s in theirs.state[:2])
+        got = tuple(s[..., :position, :] for s in ours.state[:2])
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape
+        assert mx.allclose(g, w, atol=1e-3).item()
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_rollbacks_give_plain_decodings_logits_and_caches(family, model_type):
+    """Rounds of 1..6 tokens, partly rejected and rolled back, give plain
+    decoding's logits, and leave the caches plain decoding would hold."""
+    model, _, _ = family(model_type)
+    adapter = TargetAdapter(model, TAPS)
+    sequence = PROMPT + plain_greedy(model, PROMPT)
+    plain = make_prompt_cache(model)
+    model(mx.array([PROMPT[:-1]]), cache=plain)
+    plain_logits = [
+        model(mx.array([[t]]), cache=plain)[0, -1] for t in sequence[len(PROMPT) - 1 :]
+    ]
+    cache = adapter.make_cache()
+    adapter(mx.array([PROMPT[:-1]]), cache)
+    rng = np.random.default_rng(0)
+    position, rejected = len(PROMPT) - 1, 0
+    while position < len(sequence) - 7:
+        size = int(rng.integers(1, 7))
+        keep = int(rng.integers(1, size + 1))
+        block = sequence[position : position + size]
+        if keep < size:
+            block[keep] = (block[keep] + 1) % VOCAB
+            rejected += 1
+        logits, _ = adapter(mx.array([block]), cache)
+        adapter.rollback(cache, size - keep)
+        for i in range(keep):
+            want = plain_logits[position + i - len(PROMPT) + 1]
+            assert mx.allclose(logits[0, i], want, atol=1e-3).item(), position + i
+        position += keep
+    assert rejected > 5 and position > 3 * WINDOW
+    plain = make_prompt_cache(model)
+    for t in sequence[:position]:
+        model(mx.array([[t]]), cache=plain)
+    assert len(cache) == len(plain)
+    for ours, theirs in zip(cache, plain, strict=True):
+        _same_state(ours, theirs, position)
+
+
+@pytest.mark.parametrize("bits", BITS, ids=["float", "q4"])
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_greedy_identical_to_mlx_lm(family, model_type, bits):
+    model, tokenizer, _ = family(model_type, bits)
+    adapter = TargetAdapter(model, TAPS)
+    drafter = bigram_drafter(adapter)
+    expected = plain_greedy(model, PROMPT)
+    stats = GenerationStats()
+    for num_draft in (1, 3):
+        for mode in (None, OracleMode(expected, seed=num_draft)):
+            tokens = speculative_generate_step(
+                mx.array(PROMPT),
+                adapter,
+                drafter,
+                num_draft=num_draft,
+                max_tokens=MAX_TOKENS,
+                mode=mode,
+                stats=stats,
+            )
+            assert [t for t, _ in tokens] == expected, (num_draft, mode)
+    assert any(r.accepted > 0 for r in stats.rounds)
+    assert any(r.accepted < r.verified for r in stats.rounds)
+    # The default policy (no DSpark arguments), as mlx_dspark.generate runs it.
+    eos = tokenizer.eos_token_ids
+    end = next((i for i, t in enumerate(expected) if t in eos), len(expected))
+    responses = list(
+        stream_generate(model, tokenizer, drafter, PROMPT, max_tokens=MAX_TOKENS)
+    )
+    assert [r.token for r in responses][:end] == expected[:end]
+
+
+@pytest.mark.parametrize("bits", BITS, ids=["float", "q4"])
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_a_drafter_trains_and_decodes_losslessly(family, model_type, bits, tmp_path):
+    model, _, path = family(model_type, bits)
+    rng = np.random.default_rng(1)
+    lines = []
+    for _ in range(6):
+        prompt = rng.integers(0, VOCAB - 2, 3).tolist()
+        text = prompt + plain_greedy(model, prompt, 40)
+        words = [f"t{t}" if t < VOCAB - 2 else "</s>" for t in text]
+        lines.append(json.dumps({"text": " ".join(words)}))
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    result = train(
+        TrainArgs(
+            model=str(path),
+            data=[str(data)],
+            out=str(tmp_path / "drafter"),
+            steps=3,
+            batch_size=2,
+            anchors=8,
+            seq_len=64,
+            layers=1,
+            block_size=4,
+            markov_rank=8,
+            dtype="float32",
+            quiet=True,
+        )
+    )
+    assert result.status == "done" and result.step == 3
+    target, tokenizer, drafter = load(path, result.out)
+    expected = plain_greedy(target, PROMPT, 16)
+    tokens = speculative_generate_step(
+        mx.array(PROMPT),
+        TargetAdapter(target, drafter.config.target_layer_ids),
+        drafter,
+        num_draft=3,
+        max_tokens=16,
+    )
+    assert [t for t, _ in tokens] == expected
+
+
+def exact_joint(model, prompt, params: SamplingParams) -> dict[tuple, float]:
+    """P(x1, x2, x3 | prompt) of target-only sampling, by enumeration."""
+    first = np.exp(np.array(log_probs(model(mx.array([prompt]))[0, -1], params)))
+    pairs = [(a, b) for a in np.flatnonzero(first > 1e-6) for b in range(VOCAB)]
+    logits = model(mx.array([prompt + [int(a), b] for a, b in pairs]))
+    second = np.exp(np.array(log_probs(logits[:, -2], params)))
+    third = np.exp(np.array(log_probs(logits[:, -1], params)))
+    joint = {}
+    for i, (a, b) in enumerate(pairs):
+        for c in np.flatnonzero(third[i] > 0):
+            p = first[a] * second[i, b] * third[i, c]
+            if p > 0:
+                joint[(int(a), int(b), int(c))] = p
+    return joint
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "qwen3_5"])
+def test_sampling_is_exact(family, model_type):
+    model, _, _ = family(model_type)
+    adapter = TargetAdapter(model, TAPS)
+    drafter = bigram_drafter(adapter, block_size=3)
+    # Hot enough that many outcomes are likely (the map is sharp).
+    params = SamplingParams(temperature=3.0)
+    prompt = PROMPT[: WINDOW + 1]  # the window has wrapped
+    joint = exact_joint(model, prompt, params)
+    seeds = 1500
+    samples, stats = Counter(), GenerationStats()
+    for seed in range(seeds):
+        tokens = speculative_generate_step(
+            mx.array(prompt),
+            adapter,
+            drafter,
+            num_draft=drafter.block_size,
+            params=params,
+            max_tokens=3,
+            seed=seed,
+            stats=stats,
+        )
+        samples[tuple(t for t, _ in itertools.islice(tokens, 3))] += 1
+    stat, dof = chi_square(samples, joint, seeds)
+    assert dof >= 10
+    assert stat < chi_square_critical(dof), (stat, dof)
+    assert any(r.accepted > 0 for r in stats.rounds)
+    assert any(r.accepted < r.verified for r in stats.rounds)
+
+
+def test_quantized_targets_keep_their_packed_weights(family):
+    """The 4-bit model is the one mlx_lm.convert wrote: its embedding is packed,
+    and the adapter reads sizes from the modules, not from packed shapes."""
+    model, _, _ = family("qwen3", 4)
+    adapter = TargetAdapter(model, TAPS)
+    assert adapter.embedding.weight.shape == (VOCAB, 64 * 4 // 32)
+    assert adapter.hidden_size == 64
+    names = {k for k, _ in tree_flatten(model.parameters())}
+    assert any(k.endswith("q_proj.scales") for k in names)
