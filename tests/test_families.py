@@ -311,3 +311,24 @@ def test_quantized_targets_keep_their_packed_weights(family):
     assert adapter.hidden_size == 64
     names = {k for k, _ in tree_flatten(model.parameters())}
     assert any(k.endswith("q_proj.scales") for k in names)
+
+
+def test_doctor_says_whether_a_model_can_be_a_target(family, tmp_path):
+    from test_doctor import run_doctor
+
+    _, _, quantized = family("gemma3", 4)
+    result = run_doctor("--model", str(quantized))
+    assert result.returncode == 0, result.stderr
+    assert "supported (gemma3, 4-bit)" in result.stdout
+    assert "sliding window un-appended" in result.stdout
+    result = run_doctor("--model", str(family("qwen3_5")[2]), "--json")
+    report = json.loads(result.stdout)
+    assert report["supported"] and not report["tree"]
+    assert "state restored and replayed" in report["rollback"]
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
+    result = run_doctor("--model", str(tmp_path))
+    assert result.returncode == 1
+    assert "'mamba' is not supported" in " ".join(result.stdout.split())
+    result = run_doctor("--model", str(tmp_path / "nowhere"))
+    assert result.returncode == 1 and "does not exist" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import typer
@@ -10,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..doctor import diagnose
+from ..support import Support, target_support
 from .terminal import run_command
 
 
@@ -60,12 +62,45 @@ def render(report: dict, console: Console) -> None:
             console.print(f"fix: {blas['fix']}", highlight=False, soft_wrap=True)
 
 
+def render_support(support: Support, console: Console) -> None:
+    if not support.supported:
+        console.print(
+            f"{support.model}: not supported. {support.reason}", highlight=False
+        )
+        return
+    bits = (support.quantization or {}).get("bits")
+    weights = f"{bits}-bit" if bits else "float"
+    tree = "chain and tree" if support.tree else "chain (no tree)"
+    console.print(
+        f"{support.model}: supported ({support.model_type}, {weights}); rejected "
+        f"drafts roll back by {', '.join(support.rollback)}; verification: {tree}.",
+        highlight=False,
+    )
+
+
 def doctor(
     as_json: bool = typer.Option(
         False, "--json", help="Print machine-readable JSON.", metavar=""
     ),
+    model: str | None = typer.Option(
+        None,
+        "--model",
+        help="Say whether this model (directory or Hugging Face repo) can be a "
+        "target, from its config.json alone; nothing else downloads.",
+        metavar="MODEL",
+    ),
 ) -> None:
-    """Report the backend, memory, matmul speed, bandwidth and BLAS."""
+    """Report the backend, memory, matmul speed, bandwidth and BLAS, or with
+    --model whether a model can be a target."""
+    if model is not None:
+        support = target_support(model)
+        if as_json:
+            print(json.dumps(asdict(support), indent=2))
+        else:
+            render_support(support, Console())
+        if not support.supported:
+            raise typer.Exit(1)
+        return
     report = diagnose()
     if as_json:
         print(json.dumps(report, indent=2))
