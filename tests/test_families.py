@@ -332,3 +332,43 @@ def test_doctor_says_whether_a_model_can_be_a_target(family, tmp_path):
     result = run_doctor("--model", str(tmp_path / "nowhere"))
     assert result.returncode == 1 and "does not exist" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "model_type, bits", [("gemma3_text", 4), ("qwen3_5", None), ("qwen3", 4)]
+)
+def test_the_server_batches_requests_of_every_cache_kind(family, model_type, bits):
+    """Concurrent requests through the batch engine, with windows and recurrent
+    states kept per request, equal mlx-lm's greedy output each."""
+    from test_server import collect
+
+    from mlx_dspark.serving import BatchEngine, EngineConfig, GenerationRequest
+
+    model, tokenizer, _ = family(model_type, bits)
+    drafter = bigram_drafter(TargetAdapter(model, TAPS))
+    prompts = [PROMPT, PROMPT[3:], [4, 4, 9]]
+    engine = BatchEngine(model, tokenizer, drafter, EngineConfig(num_draft=3))
+    handles = [engine.submit(GenerationRequest(p, max_tokens=24)) for p in prompts]
+    engine.start()
+    try:
+        got = collect(handles)
+    finally:
+        engine.stop()
+    eos = tokenizer.eos_token_ids
+    for prompt, tokens in zip(prompts, got, strict=True):
+        expected = plain_greedy(model, prompt, 24)
+        end = next((i for i, t in enumerate(expected) if t in eos), len(expected))
+        assert tokens[:end] == expected[:end]
+    assert engine.stats.drafts_accepted > 0
+
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "qwen3_5"])
+def test_calibration_records_rounds_on_quantized_targets(family, model_type):
+    from mlx_dspark.calibrate import collect_records, fit_records
+
+    model, _, _ = family(model_type, 4)
+    drafter = bigram_drafter(TargetAdapter(model, TAPS))
+    records, groups = collect_records(model, drafter, [PROMPT, PROMPT[4:]], 12)
+    assert len(records) == 12 and set(groups) == {0, 1}
+    result = fit_records(records, groups, drafter.block_size)
+    assert len(result.temperatures) == drafter.block_size
