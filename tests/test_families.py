@@ -240,10 +240,15 @@ def test_a_drafter_trains_and_decodes_losslessly(family, model_type, bits, tmp_p
             block_size=4,
             markov_rank=8,
             dtype="float32",
+            # Beside a quantized target, a drafter with its own quantization.
+            quantize_bits=bits,
+            quantize_group_size=32,
             quiet=True,
         )
     )
     assert result.status == "done" and result.step == 3
+    written = json.loads((result.out / "config.json").read_text())
+    assert ("quantization" in written) == (bits is not None)
     target, tokenizer, drafter = load(path, result.out)
     expected = plain_greedy(target, PROMPT, 16)
     tokens = speculative_generate_step(
