@@ -377,3 +377,57 @@ def test_calibration_records_rounds_on_quantized_targets(family, model_type):
     assert len(records) == 12 and set(groups) == {0, 1}
     result = fit_records(records, groups, drafter.block_size)
     assert len(result.temperatures) == drafter.block_size
+
+
+RECIPES = {
+    "2-bit g64": {"bits": 2, "q_group_size": 64},
+    "3-bit": {"bits": 3},
+    "5-bit": {"bits": 5},
+    "6-bit": {"bits": 6},
+    "8-bit g128": {"bits": 8, "q_group_size": 128},
+    "mixed_3_6": {"quant_predicate": "mixed_3_6"},
+    "mxfp4": {"q_mode": "mxfp4", "q_group_size": None},
+    "nvfp4": {"q_mode": "nvfp4", "q_group_size": None},
+    "mxfp8": {"q_mode": "mxfp8", "q_group_size": None, "bits": 8},
+}
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_quantization_mlx_lm_convert_writes(family, recipe, tmp_path):
+    """Affine 2-8 bits at several group sizes, a mixed recipe and the float
+    modes: the adapter reproduces the model, greedy output equals mlx-lm's,
+    and a drafter trains on its features."""
+    _, _, source = family("qwen3")
+    path = quantized_copy(source, tmp_path / "q", **RECIPES[recipe])
+    model, _ = mlx_lm_load(str(path))
+    adapter = TargetAdapter(model, TAPS)
+    adapter.self_check()
+    expected = plain_greedy(model, PROMPT, 24)
+    tokens = speculative_generate_step(
+        mx.array(PROMPT),
+        adapter,
+        bigram_drafter(adapter),
+        num_draft=3,
+        max_tokens=24,
+        mode=OracleMode(expected),
+    )
+    assert [t for t, _ in tokens] == expected
+    data = tmp_path / "data.txt"
+    data.write_text(" ".join(f"t{t}" for t in PROMPT + expected) + "\n")
+    result = train(
+        TrainArgs(
+            model=str(path),
+            data=[str(data)],
+            out=str(tmp_path / "drafter"),
+            steps=2,
+            batch_size=1,
+            anchors=4,
+            seq_len=64,
+            layers=1,
+            block_size=4,
+            markov_rank=8,
+            dtype="float32",
+            quiet=True,
+        )
+    )
+    assert result.status == "done"

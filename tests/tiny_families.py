@@ -153,7 +153,9 @@ def save_family(directory: Path, model_type: str, seed: int = 0) -> Path:
     return directory
 
 
-def quantized_copy(source: Path, directory: Path, bits: int = 4) -> Path:
-    """``mlx_lm.convert -q`` of a saved family model."""
-    convert(str(source), str(directory), quantize=True, q_bits=bits, q_group_size=32)
+def quantized_copy(source: Path, directory: Path, bits: int = 4, **recipe) -> Path:
+    """``mlx_lm.convert -q`` of a saved family model (``recipe``: convert's
+    other quantization arguments: q_group_size, q_mode, quant_predicate)."""
+    recipe = {"q_bits": bits, "q_group_size": 32, **recipe}
+    convert(str(source), str(directory), quantize=True, **recipe)
     return directory
