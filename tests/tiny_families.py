@@ -60,6 +60,15 @@ _QWEN3_5 = {
     },
 }
 
+_MOE = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "decoder_sparse_step": 1,
+    "shared_expert_intermediate_size": 64,
+    "moe_intermediate_size": 64,
+    "norm_topk_prob": True,
+}
+
 # model type -> what its config adds to (or, under text_config, nests) _BASE
 CONFIGS: dict[str, dict] = {
     "llama": {},
@@ -84,10 +93,19 @@ CONFIGS: dict[str, dict] = {
         "layer_types": SLIDING,
     },
     "qwen3_5": {"text_config": _QWEN3_5},
+    "qwen3_5_moe": {
+        "text_config": {**_QWEN3_5, **_MOE, "model_type": "qwen3_5_moe_text"}
+    },
+    "qwen3_next": {
+        **{k: v for k, v in _QWEN3_5.items() if k != "rope_parameters"},
+        **_MOE,
+        "partial_rotary_factor": 0.25,
+        "mlp_only_layers": [],
+    },
 }
 # The families whose caches are not all full attention.
 SLIDING_FAMILIES = ("gemma3_text", "gemma3", "gpt_oss")
-RECURRENT_FAMILIES = ("qwen3_5",)
+RECURRENT_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 
 # How strongly the layers perturb the residual stream (the embedding's map).
