@@ -221,6 +221,8 @@ def _default_modes(pair: Pair, settings: Settings) -> list[Variant]:
 
 
 def _tree_modes(pair: Pair, settings: Settings) -> list[Variant]:
+    if not pair.adapter.supports_tree:
+        return []
     return [
         dspark_variant(
             f"dspark-tree-{budget}",
