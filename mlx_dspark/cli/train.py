@@ -284,10 +284,25 @@ def stage_progress(log_every: int, quiet: bool) -> Iterator[Progress | None]:
         yield draw
 
 
+def fast_path_hint(args: TrainArgs) -> str | None:
+    """One line for a run without a teacher store: the target then runs at
+    every step, many times slower than the recipe's fast path."""
+    if args.teacher_store is not None or args.quiet:
+        return None
+    return (
+        "note: without --teacher-store the target runs at every step; for the "
+        "recipe's fast path add --teacher-store DIR --batch-size 10 --anchors 64 "
+        "(and --dtype float32 on a CPU)."
+    )
+
+
 def _main(argv: list[str] | None, prog: str) -> None:
     ns = build_parser(prog).parse_args(argv)
     log_to_terminal(quiet=ns.quiet)
     args = TrainArgs(**vars(ns))
+    hint = fast_path_hint(args)
+    if hint is not None:
+        print(hint, file=sys.stderr, flush=True)
     with stage_progress(args.log_every, args.quiet) as progress:
         result = train(args, progress=progress)
     if result.status == "interrupted":
