@@ -82,6 +82,38 @@ def test_bad_flags_are_one_sentence(argv, message):
     one_sentence_error(dotted(argv[0], *argv[1:]), message)
 
 
+def test_a_negative_draft_count_names_the_flag_not_a_block_size(pair):
+    target, drafter = pair
+    args = ["--model", target, "--draft-model", drafter, "-p", "t1"]
+    result = family("generate", *args, "--dspark-n-draft", "-3")
+    one_sentence_error(result, "--dspark-n-draft must be at least 0, got -3")
+    assert str(sys.maxsize) not in result.stderr
+
+
+def test_dequantize_help_names_the_fast_cpu_dtype():
+    result = family("convert", "--help")
+    help_text = " ".join(result.stdout.split())
+    assert "float16 (faster on CPU)" not in help_text
+    assert "with --dtype float32 it runs fastest on CPU" in help_text
+
+
+def test_first_run_says_it_measures_the_cost_profile(pair, tmp_path):
+    target, drafter = pair
+    args = ["--model", target, "--draft-model", drafter, "-p", "t1 t2", "-m", "4"]
+    env = {**os.environ, "MLX_DSPARK_CACHE": str(tmp_path)}
+    first = subprocess.run(
+        [sys.executable, "-m", "mlx_dspark", "generate", *args],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert first.returncode == 0, first.stderr
+    assert "Measuring this pair's cost profile" in first.stderr  # not a terminal
+    again = subprocess.run(
+        [sys.executable, "-m", "mlx_dspark", "generate", *args],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert "cost profile" not in again.stderr  # cached: nothing measured
+
+
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_command_help_is_the_commands_own(command):
     result = family(command, "--help")
