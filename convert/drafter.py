@@ -120,6 +120,7 @@ DSPARK_KEYS = (
 # Files beside the weights that a conversion carries over.
 CALIBRATION_FILE = "dspark_calibration.json"
 TRAINING_RECORD = "training_record.json"
+PHRASES_FILE = "phrases.npy"  # the phrase store (mlx_dspark.lookup), token ids
 
 
 # --------------------------------------------------------------------- sources
@@ -987,14 +988,15 @@ def _finish(
 
 
 def _carry_files(source: DrafterSource, out: Path) -> None:
-    """Copy the training record and the calibration beside the new weights.
+    """Copy the training record, the phrase store and the calibration beside
+    the new weights.
 
     The calibration was fitted on the source's weights; it says so, since
     other bit widths shift the confidences slightly.
     """
-    record = source.path / TRAINING_RECORD
-    if record.is_file():
-        (out / TRAINING_RECORD).write_bytes(record.read_bytes())
+    for name in (TRAINING_RECORD, PHRASES_FILE):
+        if (source.path / name).is_file():
+            (out / name).write_bytes((source.path / name).read_bytes())
     calibration = source.path / CALIBRATION_FILE
     if calibration.is_file():
         try:

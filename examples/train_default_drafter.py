@@ -53,8 +53,8 @@ Steps (each is skipped when its output already exists, so a rerun resumes):
    ``SWEEP_STEPS`` steps each, prints their held-out tau against training time
    and plots it (``sweep.png`` in the work directory).
 
-The figures of the shipped drafter (time, data, acceptance) are summarised in the
-README, "The default pair", and recorded stage by stage in docs/default-drafter.md.
+The figures of the shipped drafter (time, data, acceptance) are summarised in
+docs/training.md, "The default drafter's recipe".
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ class Stage:
 # tau and had not regained it after 300 steps); it accepts more on held-out
 # code and prose at T=0, less on chat and at T=1. Stage 6 (shipped): new
 # answers and text after stage 5, at 3e-4; it accepts more than stage 4 on
-# every held-out set at T=0 and is faster with no flags (docs/default-drafter.md).
+# every held-out set at T=0 and is faster with no flags (docs/training.md).
 # Stage 7, not shipped: the next answers and text after stage 6, at 3e-4; its
 # validation tau fell to 1.84 (stage 6: 1.91) and its held-out
 # acceptance is stage 6's within a few hundredths. Stage 8, not shipped: the

@@ -64,7 +64,7 @@ from statistics import median
 from .drafter import Proposal
 from .loop import RoundStats
 from .memory import MemoryGuard
-from .policies import _Recording, guarded_cap, proposal_survival
+from .recording import RecordingPolicy, guarded_cap, proposal_survival
 from .scheduler import StepRateCurve, schedule
 
 # Without any measurement or profile: a drafting round costs this many plain
@@ -137,7 +137,7 @@ class RoundKind:
 
 
 @dataclass
-class AdaptivePolicy(_Recording):
+class AdaptivePolicy(RecordingPolicy):
     """Per-round draft length 0..cap maximising predicted tokens/s.
 
     ``profile`` (a cached :class:`StepRateCurve`) seeds costs not measured

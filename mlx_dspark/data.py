@@ -133,6 +133,21 @@ def _open_text(path: Path):
     return open(path, encoding="utf-8", errors="replace")
 
 
+MAX_BINARY_SHARE = 0.01  # of a plain text file's characters; more is binary data
+_TEXT_CONTROLS = set("\t\n\r\f\v")
+
+
+def _binary_share(text: str) -> float:
+    """Share of ``text``'s characters that text does not hold: undecodable bytes
+    (read as U+FFFD) and control characters other than whitespace."""
+    bad = sum(
+        1
+        for char in text
+        if char == "\ufffd" or (char < " " and char not in _TEXT_CONTROLS)
+    )
+    return bad / len(text)
+
+
 def _check_files(files: Iterable[str | Path]) -> list[Path]:
     paths = [Path(f).expanduser() for f in files]
     if not paths:
@@ -247,6 +262,12 @@ def iter_records(
             if not text.strip():
                 report.empty_files.append(str(path))
                 continue
+            unreadable = _binary_share(text)
+            if unreadable > MAX_BINARY_SHARE:
+                raise DSparkError(
+                    f"{path} does not look like text ({unreadable:.0%} of it is "
+                    "not UTF-8 or is control characters): give plain text or JSONL."
+                )
             tokens = _encode(tokenizer, text, True)
             for begin in range(0, len(tokens), seq_len):
                 chunk = tokens[begin : begin + seq_len]

@@ -132,7 +132,9 @@ def build_settings(
     """
     env = os.environ if env is None else env
     names = {**ARGUMENT_NAMES, **(names or {})}
-    if num_draft is not None and not 0 <= num_draft <= block_size:
+    if num_draft is not None and num_draft < 0:
+        raise DSparkError(f"{names['num_draft']} must be at least 0, got {num_draft}.")
+    if num_draft is not None and num_draft > block_size:
         raise DSparkError(
             f"{names['num_draft']} must be between 0 and the drafter's block size "
             f"{block_size}, got {num_draft}."

@@ -137,7 +137,9 @@ def render_prometheus(
             out.append(f"{name}{suffix}{_labels(labels, extra)} {_fmt(value)}")
 
     def gauge(name: str, help_text: str, value: float) -> None:
-        metric(name, "gauge", help_text, [("", None, value)])
+        # A gauge not measured yet (NaN) has no sample, rather than a NaN one.
+        samples = [] if math.isnan(float(value)) else [("", None, value)]
+        metric(name, "gauge", help_text, samples)
 
     gauge(
         "dspark_draft_acceptance_rate",

@@ -18,6 +18,7 @@ from mlx_dspark.benchmark import (
     select_variants,
     validate,
 )
+from mlx_dspark.cli.benchmark import main as benchmark_main
 
 PROMPTS = [[1, 2, 3], [7, 8, 20, 4]]
 MAX_TOKENS = 24
@@ -38,7 +39,7 @@ def small(tmp_path_factory):
 
 def run_cli(argv, capsys):
     try:
-        benchmark.main(argv)
+        benchmark_main(argv)
         code = 0
     except SystemExit as exit:
         code = exit.code

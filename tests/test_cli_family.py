@@ -82,6 +82,38 @@ def test_bad_flags_are_one_sentence(argv, message):
     one_sentence_error(dotted(argv[0], *argv[1:]), message)
 
 
+def test_a_negative_draft_count_names_the_flag_not_a_block_size(pair):
+    target, drafter = pair
+    args = ["--model", target, "--draft-model", drafter, "-p", "t1"]
+    result = family("generate", *args, "--dspark-n-draft", "-3")
+    one_sentence_error(result, "--dspark-n-draft must be at least 0, got -3")
+    assert str(sys.maxsize) not in result.stderr
+
+
+def test_dequantize_help_names_the_fast_cpu_dtype():
+    result = family("convert", "--help")
+    help_text = " ".join(result.stdout.split())
+    assert "float16 (faster on CPU)" not in help_text
+    assert "with --dtype float32 it runs fastest on CPU" in help_text
+
+
+def test_first_run_says_it_measures_the_cost_profile(pair, tmp_path):
+    target, drafter = pair
+    args = ["--model", target, "--draft-model", drafter, "-p", "t1 t2", "-m", "4"]
+    env = {**os.environ, "MLX_DSPARK_CACHE": str(tmp_path)}
+    first = subprocess.run(
+        [sys.executable, "-m", "mlx_dspark", "generate", *args],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert first.returncode == 0, first.stderr
+    assert "Measuring this pair's cost profile" in first.stderr  # not a terminal
+    again = subprocess.run(
+        [sys.executable, "-m", "mlx_dspark", "generate", *args],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert "cost profile" not in again.stderr  # cached: nothing measured
+
+
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_command_help_is_the_commands_own(command):
     result = family(command, "--help")
@@ -235,6 +267,65 @@ def test_no_command_line_code_outside_the_cli_package():
                     offenders.append(f"{path.name}:{node.lineno} imports {name}")
     assert not offenders, offenders
     assert len(list(_package_files())) > 20
+
+
+# Modules that only start a command (``python -m mlx_dspark.<command>``): the
+# ``__main__`` modules, and these two of the package's top level.
+ENTRY_POINTS = {"mlx_dspark.generate", "mlx_dspark.server"}
+
+
+def _package_imports() -> dict[str, set[str]]:
+    """Every module of the package and the package modules it imports
+    (lazily inside functions too), by dotted name."""
+    root = Path(mlx_dspark.__file__).parent
+    paths = {}
+    for path in [*_package_files(), *(root / "cli").glob("*.py")]:
+        if path.is_relative_to(root):
+            parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        else:  # the converters, installed as mlx_dspark.convert
+            parts = ["mlx_dspark", "convert", path.stem]
+        if parts[-1] == "__init__":
+            parts.pop()
+        paths[".".join(parts)] = path
+    imports = {}
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                module = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = parts[: len(parts) - node.level + 1]
+                    module = ".".join([*base, module] if module else base)
+                found |= {module, *(f"{module}.{a.name}" for a in node.names)}
+            elif isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+        imports[name] = {m for m in found if m in paths and m != name}
+    return imports, paths
+
+
+def test_library_and_command_line_stand_in_layers():
+    imports, paths = _package_imports()
+    assert {"mlx_dspark.adaptive", "mlx_dspark.policies"} <= set(imports)
+    library = {
+        name
+        for name, path in paths.items()
+        if not name.startswith("mlx_dspark.cli")
+        and name not in ENTRY_POINTS
+        and path.name != "__main__.py"
+    }
+    reaching_up = sorted(
+        f"{name} imports {module}"
+        for name in library
+        for module in imports[name]
+        if module.startswith("mlx_dspark.cli")
+    )
+    assert not reaching_up, reaching_up
+    circles = sorted(
+        f"{a} <-> {b}" for a in library for b in imports[a] if b > a and a in imports[b]
+    )
+    assert not circles, circles
 
 
 def test_library_reports_progress_through_callbacks(

@@ -434,6 +434,24 @@ def test_conversion_carries_the_calibration_and_training_record(pair, tmp_path):
         assert record == {"steps": 3}
 
 
+def test_conversion_carries_the_phrase_store(pair, tmp_path):
+    from mlx_dspark import load
+    from mlx_dspark.lookup import PhraseStore
+
+    target_dir, drafter_dir, *_ = pair
+    source = tmp_path / "source"
+    shutil.copytree(drafter_dir, source)
+    PhraseStore.from_documents([[1, 2, 3, 4], [5, 6, 7]]).save(source / "phrases.npy")
+    for options in ({"quantize": True, "bits": 4}, {"to": "deepspec"}):
+        out = tmp_path / str(options.get("bits", options.get("to")))
+        convert_drafter(source, out, target=target_dir, **options)
+        assert (out / "phrases.npy").read_bytes() == (
+            source / "phrases.npy"
+        ).read_bytes()
+        _, _, drafter = load(target_dir, out)
+        assert drafter.phrase_store is not None
+
+
 def _corrupt(drafter_dir: Path, tmp_path: Path, how: str) -> Path:
     bad = tmp_path / "bad"
     shutil.copytree(drafter_dir, bad)

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
@@ -16,6 +17,7 @@ from mlx_dspark.data import (
     regenerate_shards,
     shard_name,
 )
+from mlx_dspark.errors import DSparkError
 from mlx_dspark.loading import load
 from mlx_dspark.structured import PairSpec, build_structured_pair
 
@@ -193,6 +195,24 @@ def test_gzip_text_and_jsonl_are_read(target, tmp_path):
     one, _ = load_sequences([plain], tokenizer, 64)
     two, _ = load_sequences([packed], tokenizer, 64)
     assert [s.tokens.tolist() for s in one] == [s.tokens.tolist() for s in two]
+
+
+def test_binary_files_are_refused_and_text_is_not(target, tmp_path):
+    _, tokenizer = target
+    noise = np.random.default_rng(0).bytes(20_000)
+    for name, data in (
+        ("garbage.txt", noise),
+        ("garbage.txt.gz", gzip.compress(noise)),
+    ):
+        path = tmp_path / name
+        path.write_bytes(data)
+        with pytest.raises(DSparkError, match="does not look like text"):
+            load_sequences([path], tokenizer, 64)
+    words = " ".join(f"t{i % 29}" for i in range(400))
+    text = tmp_path / "notes.txt"
+    text.write_text(f"café naïve résumé\t{words}\n", encoding="utf-8")
+    sequences, _ = load_sequences([text], tokenizer, 64)
+    assert sequences
 
 
 def test_committed_prompt_list_and_answers():

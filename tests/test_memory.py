@@ -226,6 +226,8 @@ def test_telemetry_totals_and_prometheus():
 
 def test_prometheus_empty_and_labels():
     text = render_prometheus(Telemetry(), labels={"model": 'q"w\\en'})
-    assert 'dspark_draft_acceptance_rate{model="q\\"w\\\\en"} NaN' in text
+    # A gauge not measured yet has its HELP and TYPE lines and no sample.
+    assert "# TYPE dspark_draft_acceptance_rate gauge" in text
+    assert "dspark_draft_acceptance_rate{" not in text and "NaN" not in text
     assert 'dspark_draft_length_tokens_bucket{model="q\\"w\\\\en",le="+Inf"} 0' in text
     assert "dspark_memory_active_bytes" in text

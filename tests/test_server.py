@@ -3,6 +3,7 @@ request, disconnects, bad input and metrics, over real HTTP on 127.0.0.1."""
 
 import http.client
 import json
+import math
 import re
 import socket
 import subprocess
@@ -23,6 +24,7 @@ from mlx_dspark.serving import (
     ServerSettings,
     make_server,
 )
+from mlx_dspark.serving.engine import DraftGate
 
 CONTEXT = 256
 PROMPTS = ["t1 t2 t3", "t7 t8", "t20 t4 t11 t9", "t0", "t13 t5 t5 t21 t2 t17"]
@@ -278,18 +280,57 @@ def test_endpoints_and_metrics(server):
     for name in (
         "dspark_draft_acceptance_rate",
         "dspark_scheduler_n_current",
-        "dspark_confidence_head_ece",
         "dspark_verification_latency_ms_count",
-        "dspark_speedup_ratio",
         "dspark_memory_pressure_level",
+        "dspark_memory_active_bytes",
         "dspark_server_target_forwards_total",
     ):
         assert name in values, name
     assert 0 < values["dspark_draft_acceptance_rate"] <= 1
+    # Nothing unmeasured reads NaN; MLX's active memory is counted on every
+    # backend; this server always drafts (no gate), so it has no speedup figure,
+    # and its pair has no calibration, so no ECE.
+    assert "dspark_confidence_head_ece" not in values
+    assert all(math.isfinite(value) for value in values.values()), values
+    assert values["dspark_memory_active_bytes"] > 0
+    assert "dspark_speedup_ratio" not in values
     assert (
         values["dspark_server_request_rounds_total"]
         >= values["dspark_server_target_forwards_total"]
     )
+
+
+def test_an_unknown_model_is_404_model_not_found(server):
+    body = {"prompt": PROMPTS[0], "max_tokens": 2, "model": "gpt-17-ultra"}
+    status, text = post(server, "/v1/completions", body)
+    assert status == 404, text
+    error = json.loads(text)["error"]
+    assert error["code"] == "model_not_found" and "gpt-17-ultra" in error["message"]
+    chat = {"messages": [{"role": "user", "content": "t1"}], "model": "gpt-17-ultra"}
+    assert post(server, "/v1/chat/completions", chat)[0] == 404
+    for name in ("tiny", "default_model"):
+        status, text = post(server, "/v1/completions", {**body, "model": name})
+        assert status == 200 and json.loads(text)["model"] == name, text
+
+
+def test_the_wrong_method_is_405(server):
+    conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=30)
+    conn.request("GET", "/v1/chat/completions")
+    response = conn.getresponse()
+    assert response.status == 405 and response.getheader("Allow") == "POST"
+    assert json.loads(response.read())["error"]["message"]
+    conn.close()
+    status, _ = post(server, "/v1/models", {})
+    assert status == 405
+    assert get(server, "/v1/nothing")[0] == 404
+
+
+def test_gate_speedup_is_drafting_over_plain():
+    gate = DraftGate()
+    assert gate.speedup(1) is None
+    gate.record(1, tokens=3, seconds=1.0, drafted=True)
+    gate.record(1, tokens=2, seconds=1.0, drafted=False)
+    assert gate.speedup(1) == pytest.approx(1.5) and gate.speedup(4) == gate.speedup(1)
 
 
 def test_sampled_requests_exact_in_mixed_batches(pair_factory):

@@ -2,6 +2,8 @@
 environment, one-sentence errors, and the same setup for the same inputs in
 stream_generate, calibration and the benchmark."""
 
+import sys
+
 import pytest
 
 from mlx_dspark import stream_generate
@@ -118,6 +120,17 @@ def test_each_invalid_value_is_one_sentence(arguments, name):
     flag = f"--{name.replace('_', '-')}"
     with pytest.raises(DSparkError, match=f"^{flag} "):
         build_settings(7, env={}, names={name: flag}, **arguments)
+
+
+def test_a_negative_draft_count_is_refused_without_the_block_size():
+    # The command line checks flags before loading the drafter, with an
+    # unknown (unbounded) block size: that number must not show.
+    for block in (7, sys.maxsize):
+        with pytest.raises(DSparkError) as info:
+            build_settings(block, -3, env={}, names={"num_draft": "--dspark-n-draft"})
+        assert str(info.value) == "--dspark-n-draft must be at least 0, got -3."
+    with pytest.raises(DSparkError, match="block size 7, got 8"):
+        build_settings(7, 8, env={})
 
 
 def test_an_invalid_variable_names_itself():

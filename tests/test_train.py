@@ -847,6 +847,37 @@ def test_progress_in_a_log_is_a_plain_line_every_log_every_steps(setup, tmp_path
     lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert [line.split()[1] for line in lines] == ["2/6", "4/6", "6/6"]
     assert all("loss" in line and "pos/s" in line for line in lines)
+    # Without a teacher store the run says, in one line, what makes it fast.
+    assert "add --teacher-store DIR --batch-size 10" in proc.stderr
+
+
+def test_the_fast_path_hint_is_for_runs_without_a_teacher_store(setup, tmp_path):
+    from mlx_dspark.cli.train import fast_path_hint
+
+    plain = base_args(setup, tmp_path / "o", teacher_store=None, quiet=False)
+    assert "--teacher-store" in fast_path_hint(plain)
+    stored = replace(plain, teacher_store=str(tmp_path / "store"))
+    assert fast_path_hint(stored) is None
+    assert fast_path_hint(replace(plain, quiet=True)) is None
+
+
+def test_binary_data_is_refused_before_anything_is_written(setup, tmp_path):
+    _, target_dir, _, _, _ = setup
+    garbage = tmp_path / "garbage.txt"
+    garbage.write_bytes(np.random.default_rng(0).bytes(20_000))
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlx_dspark.train", "--model", str(target_dir)]
+        + ["--data", str(garbage), "--out", str(out), "--steps", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: ") and "does not look like text" in lines[-1]
+    assert "Traceback" not in proc.stderr and not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["garbage.txt"]
 
 
 def test_validation_sequences_are_held_out_and_measured(setup, monkeypatch):

@@ -43,18 +43,11 @@ from .prompts import PROMPT_SETS, encode_prompt, load_prompts
 from .report import write_json, write_plots
 from .schema import RECORD_SCHEMA, REPORT_SCHEMA, SCHEMA_VERSION, validate
 
-
-def main(argv: list[str] | None = None) -> None:
-    from ..cli.benchmark import main as cli_main
-
-    cli_main(argv)
-
-
 __all__ = [
     "DRAFTER_MODES", "MODES", "PARITY_FORMAT", "PROMPT_SETS", "RECORD_SCHEMA",
     "REPORT_SCHEMA", "SCHEMA_VERSION", "Measurement", "Pair", "Run", "Settings",
     "Variant", "check_trace", "dspark_runner", "encode_prompt", "fingerprint",
-    "first_divergence", "load_prompts", "machine_report", "main", "make_useless",
+    "first_divergence", "load_prompts", "machine_report", "make_useless",
     "measure", "mlx_lm_runner", "randomize_weights", "read_trace", "record_trace",
     "records", "run_target", "select_variants", "target_bytes_per_step", "validate",
     "write_json", "write_plots",

@@ -50,7 +50,8 @@ def convert(
     dequantize: bool = typer.Option(
         False,
         "--dequantize",
-        help="Write quantized GGUF tensors as float16 (faster on CPU).",
+        help="Write quantized GGUF tensors as float (float16 unless --dtype; "
+        "with --dtype float32 it runs fastest on CPU).",
         metavar="",
     ),
     quantize: bool = typer.Option(

@@ -407,7 +407,8 @@ def _run_dspark(args: argparse.Namespace, explicit: set[str]) -> None:
         )
     for note in settings.notes:
         print(note, file=sys.stderr)
-    with progress_bar("Profiling target and drafter") as profile_progress:
+    profiling = "Measuring this pair's cost profile (once per machine; cached)"
+    with progress_bar(profiling) as profile_progress:
         responses = stream_generate(
             model,
             tokenizer,

@@ -22,25 +22,28 @@ T = TypeVar("T")
 
 @contextmanager
 def progress_bar(description: str) -> Iterator[Callable[[int, int], None]]:
-    """A transient bar on stderr (on a terminal only) and the callback that
-    drives it.
+    """A transient bar on stderr and the callback that drives it; where
+    stderr is not a terminal (a log, a pipe), one line saying what runs.
 
     The bar appears on the first call, so that errors before any work print
     alone, and goes away once ``done`` reaches ``total``, so that it never
     sits under text streamed afterwards.
     """
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
+    terminal = sys.stderr.isatty()
     progress = Progress(
         *columns,
         console=Console(stderr=True),
         transient=True,
-        disable=not sys.stderr.isatty(),
+        disable=not terminal,
     )
     task = None
 
     def advance(done: int, total: int) -> None:
         nonlocal task
         if task is None:
+            if not terminal:
+                print(f"{description} ...", file=sys.stderr, flush=True)
             progress.start()
             task = progress.add_task(description, total=total)
         progress.update(task, completed=done, total=total)

@@ -284,11 +284,41 @@ def stage_progress(log_every: int, quiet: bool) -> Iterator[Progress | None]:
         yield draw
 
 
+def fast_path_hint(args: TrainArgs) -> str | None:
+    """One line for a run without a teacher store: the target then runs at
+    every step, many times slower than the recipe's fast path."""
+    if args.teacher_store is not None or args.quiet:
+        return None
+    return (
+        "note: without --teacher-store the target runs at every step; for the "
+        "recipe's fast path add --teacher-store DIR --batch-size 10 --anchors 64 "
+        "(and --dtype float32 on a CPU)."
+    )
+
+
+def _note_first(progress: Progress, stage: str, note: str) -> Progress:
+    """``progress``, printing ``note`` on stderr when ``stage`` first reports
+    (after every check passed, so that an error still prints alone)."""
+    said = False
+
+    def report(name: str, done: int, total: int, metrics: str) -> None:
+        nonlocal said
+        if name == stage and not said:
+            said = True
+            print(note, file=sys.stderr, flush=True)
+        progress(name, done, total, metrics)
+
+    return report
+
+
 def _main(argv: list[str] | None, prog: str) -> None:
     ns = build_parser(prog).parse_args(argv)
     log_to_terminal(quiet=ns.quiet)
     args = TrainArgs(**vars(ns))
+    hint = fast_path_hint(args)
     with stage_progress(args.log_every, args.quiet) as progress:
+        if progress is not None and hint is not None:
+            progress = _note_first(progress, "training", hint)
         result = train(args, progress=progress)
     if result.status == "interrupted":
         raise SystemExit(130)

@@ -22,6 +22,8 @@ import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import mlx.core as mx
+
 from ..errors import DSparkError
 from ..sampling import SamplingParams
 from ..telemetry import render_prometheus
@@ -44,6 +46,19 @@ class BadRequest(Exception):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+class ModelNotFound(BadRequest):
+    """A request for a model this server does not serve: status 404, as OpenAI."""
+
+
+POST_ROUTES = {
+    "/v1/completions": False,
+    "/completions": False,
+    "/v1/chat/completions": True,
+    "/chat/completions": True,
+}  # path -> whether it is a chat route
+GET_ROUTES = ("/v1/models", "/models", "/health", "/metrics")
 
 
 @dataclass
@@ -242,6 +257,12 @@ def parse_request(
     model = body.get("model", settings.model_name)
     if not isinstance(model, str):
         raise BadRequest("model must be a string.", "model")
+    if model not in (settings.model_name, "default_model"):
+        raise ModelNotFound(
+            f"The model {model!r} does not exist: this server serves "
+            f"{settings.model_name!r}.",
+            "model",
+        )
     prompt = (
         chat_prompt(tokenizer, body, settings.chat_template_args)
         if chat
@@ -302,8 +323,13 @@ class StopText:
         return out
 
 
-def error_body(message: str, param: str | None = None, kind="invalid_request_error"):
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+def error_body(
+    message: str,
+    param: str | None = None,
+    kind="invalid_request_error",
+    code: str | None = None,
+):
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def _client_gone(sock: socket.socket) -> bool:
@@ -388,17 +414,28 @@ class APIHandler(BaseHTTPRequestHandler):
             self._send_text(
                 200, metrics_text(self.server.engine), "text/plain; version=0.0.4"
             )
+        elif path in POST_ROUTES:
+            self._wrong_method(path, "POST")
         else:
             self._send_json(404, error_body(f"Not found: {path}", kind="not_found"))
 
+    def _wrong_method(self, path: str, allowed: str) -> None:
+        data = json.dumps(
+            error_body(
+                f"{path} takes {allowed} requests only.", kind="invalid_request_error"
+            )
+        ).encode()
+        self.send_response(405)
+        self.send_header("Allow", allowed)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+        self.wfile.flush()
+
     def do_POST(self):
         path = self.path.split("?", 1)[0]
-        routes = {
-            "/v1/completions": False,
-            "/completions": False,
-            "/v1/chat/completions": True,
-            "/chat/completions": True,
-        }
+        routes = POST_ROUTES
         length = self.headers.get("Content-Length")
         try:
             length = int(length)
@@ -411,6 +448,9 @@ class APIHandler(BaseHTTPRequestHandler):
             )
             return
         raw = self.rfile.read(length)
+        if path in GET_ROUTES:
+            self._wrong_method(path, "GET")
+            return
         if path not in routes:
             self._send_json(404, error_body(f"Not found: {path}", kind="not_found"))
             return
@@ -435,6 +475,10 @@ class APIHandler(BaseHTTPRequestHandler):
                 self.server.settings,
                 engine.target.vocab_size,
             )
+        except ModelNotFound as error:
+            body = error_body(str(error), error.param, code="model_not_found")
+            self._send_json(404, body)
+            return
         except BadRequest as error:
             self._send_json(400, error_body(str(error), error.param))
             return
@@ -580,7 +624,11 @@ class APIHandler(BaseHTTPRequestHandler):
 def metrics_text(engine: BatchEngine) -> str:
     """Prometheus text: the scheduler's DSpark metrics and the server's own."""
     s = engine.stats
-    lines = [render_prometheus(engine.telemetry).rstrip("\n")]
+    telemetry = engine.telemetry
+    telemetry.memory_active_bytes = mx.get_active_memory()
+    speedup = None if engine.gate is None else engine.gate.speedup(max(s.active, 1))
+    telemetry.speedup_ratio = float("nan") if speedup is None else speedup
+    lines = [render_prometheus(telemetry).rstrip("\n")]
     for name, kind, help_text, value in (
         ("dspark_server_requests_total", "counter", "Requests received.", s.requests),
         (

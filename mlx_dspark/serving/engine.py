@@ -274,6 +274,18 @@ class DraftGate:
         nearest = min(both, key=lambda r: (abs(r - requests), r))
         return self.rate(nearest, True) > self.rate(nearest, False)
 
+    def speedup(self, requests: int) -> float | None:
+        """Drafting steps' measured tokens per second over plain steps', for
+        this many requests (or the nearest size measured both ways); None
+        before any size was measured both ways."""
+        both = [
+            r for r, drafted in self.measured if drafted and (r, False) in self.measured
+        ]
+        if not both:
+            return None
+        nearest = min(both, key=lambda r: (abs(r - requests), r))
+        return self.rate(nearest, True) / max(self.rate(nearest, False), 1e-9)
+
     def should_draft(self, requests: int) -> bool:
         wins = self.drafting_wins(requests)
         if wins is None:

@@ -30,26 +30,26 @@ import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
 
-from .data import Sequence, load_sequences, regenerate, sha256
-from .drafter import DSparkDrafter
-from .errors import DSparkError
-from .loading import resolve_path
-from .target import TargetAdapter
-from .training.batches import (
+from ..data import Sequence, load_sequences, regenerate, sha256
+from ..drafter import DSparkDrafter
+from ..errors import DSparkError
+from ..loading import resolve_path
+from ..target import TargetAdapter
+from ..training.batches import (
     Batch,
     DraftVocabulary,
     draft_vocabulary,
     make_batch,
     shard,
 )
-from .training.checkpoint import (
+from ..training.checkpoint import (
     STATE_VERSION,
     checkpoint_path,
     export_drafter,
     load_checkpoint,
     save_checkpoint,
 )
-from .training.model import (
+from ..training.model import (
     check_same_shape,
     copy_trained_weights,
     default_layer_ids,
@@ -58,8 +58,8 @@ from .training.model import (
     trained_drafter,
     training_hidden,
 )
-from .training.teacher import OnlineTeacher, TeacherStore
-from .training.trainer import (
+from ..training.teacher import OnlineTeacher, TeacherStore
+from ..training.trainer import (
     METRICS,
     LoopState,
     make_step,
@@ -376,7 +376,7 @@ def _check_args(args: TrainArgs) -> None:
 
 
 def _load_target(path: str):
-    from .loading import load_target
+    from ..loading import load_target
 
     target_path, config, model, tokenizer = load_target(path)
     model.freeze()
@@ -668,13 +668,3 @@ def _mlx_lm_version() -> str:
 def _say(args: TrainArgs, message: str) -> None:
     if not args.quiet:
         logger.info(message)
-
-
-def main() -> None:
-    from .cli.train import main as cli_main
-
-    cli_main()
-
-
-if __name__ == "__main__":
-    main()

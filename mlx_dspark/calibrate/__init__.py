@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .calibration import (
+from ..calibration import (
     CalibrationRecord,
     CalibrationResult,
     apply_sts,
@@ -37,14 +37,14 @@ from .calibration import (
     records_per_position,
     records_to_arrays,
 )
-from .drafter import DSparkDrafter, Proposal
-from .errors import DSparkError
-from .loop import RoundStats, speculative_generate_step
-from .profile import _digest, model_fingerprint
-from .sampling import SamplingParams
-from .settings import SpeculationSettings, build_settings
-from .target import TargetAdapter
-from .utils import cache_dir, encode_chat_prompt, write_atomic
+from ..drafter import DSparkDrafter, Proposal
+from ..errors import DSparkError
+from ..loop import RoundStats, speculative_generate_step
+from ..profile import _digest, model_fingerprint
+from ..sampling import SamplingParams
+from ..settings import SpeculationSettings, build_settings
+from ..target import TargetAdapter
+from ..utils import cache_dir, encode_chat_prompt, write_atomic
 
 CALIBRATION_FILE = "dspark_calibration.json"
 
@@ -297,13 +297,3 @@ def calibrate_pair(
         png = path.with_suffix(".png")
         write_atomic(png, result.reliability_diagram)
     return result, path, png
-
-
-def main() -> None:
-    from .cli.calibrate import main as cli_main
-
-    cli_main()
-
-
-if __name__ == "__main__":
-    main()

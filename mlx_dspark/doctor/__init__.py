@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from .machine import (
+from ..machine import (
     detect_blas,
     measure_bandwidth,
     measure_matmul_gflops,
@@ -28,13 +28,3 @@ def diagnose() -> dict:
         "bandwidth": measure_bandwidth(),
         "blas": asdict(blas),
     }
-
-
-def main() -> None:
-    from .cli.doctor import main as cli_main
-
-    cli_main()
-
-
-if __name__ == "__main__":
-    main()
