@@ -278,6 +278,15 @@ def model_config(gguf: GGUFFile) -> dict[str, Any]:
     ):
         if key in gguf.metadata:
             config[name] = _meta(gguf, key)
+    # Chat models end a turn with an end-of-turn (or -message) token that
+    # llama.cpp also stops at; mlx-lm takes a list of ids.
+    stops = [config.get("eos_token_id")]
+    stops += [
+        _meta(gguf, k, None) for k in (Keys.Tokenizer.EOT_ID, Keys.Tokenizer.EOM_ID)
+    ]
+    stops = list(dict.fromkeys(s for s in stops if s is not None))
+    if len(stops) > 1:
+        config["eos_token_id"] = stops
     return config
 
 

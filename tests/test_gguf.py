@@ -457,6 +457,12 @@ def test_each_architecture_matches_mlx_lm(tmp_path, arch):
         assert rel_err(full, ref) > 1e-3
 
 
+def test_end_of_turn_tokens_stop_generation(tmp_path):
+    meta = {"tokenizer.ggml.eot_token_id": 2, "tokenizer.ggml.eom_token_id": 0}
+    src, *_ = build(tmp_path, "qwen3", lambda _: "F16", **meta)
+    assert G.plan_conversion(src).config["eos_token_id"] == [2, 0]
+
+
 def test_gemma3_window_pattern(tmp_path):
     key = "gemma3.attention.sliding_window_pattern"
     src, *_ = build(tmp_path, "gemma3", lambda _: "F16", tied=True)
