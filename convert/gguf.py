@@ -41,7 +41,7 @@ ARCHITECTURES = {
 AFFINE_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
 GGUF_GROUP_SIZE = 32
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
-QUANT_BITS = (2, 3, 4, 5, 6, 8)
+QUANT_BITS = (2, 3, 4, 6, 8)
 # llama.cpp's converter adds one to Gemma's RMSNorm weights; mlx-lm's
 # gemma3_text applies ``1 + weight`` itself, as the Hugging Face checkpoints do.
 NORM_SHIFT = {"gemma3": 1.0}
