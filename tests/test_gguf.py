@@ -482,22 +482,21 @@ def test_gemma3_window_pattern(tmp_path):
         G.plan_conversion(bad)
 
 
-@pytest.mark.parametrize("kind, bits", [("Q4_0", 4), ("Q4_1", 4), ("Q8_0", 8)])
-def test_quantize_keeps_matching_gguf_blocks_exactly(tmp_path, kind, bits):
+@pytest.mark.parametrize(
+    "kind, bits, kept", [("Q4_0", 4, 4), ("Q4_1", 4, 4), ("Q8_0", 8, 8), ("Q8_0", 4, 8)]
+)
+def test_quantize_keeps_gguf_blocks_exactly(tmp_path, kind, bits, kept):
     src, config, held, _ = build(tmp_path, "llama", lambda _: kind)
     out = tmp_path / "out"
-    model, _ = convert_and_load(src, out, dtype="float32", bits=bits)
+    model, _ = convert_and_load(src, out, dtype="float32", bits=bits, group_size=64)
     q = json.loads((out / "config.json").read_text())["quantization"]
     assert (q["bits"], q["group_size"]) == (bits, 64)
-    assert q["model.layers.0.self_attn.k_proj"] == {
-        "group_size": 32,
-        "bits": bits,
-        "mode": "affine",
-    }
+    override = {"group_size": 32, "bits": kept, "mode": "affine"}
+    assert q["model.layers.0.self_attn.k_proj"] == override
     weights = mx.load(str(out / "model.safetensors"))
     for name in ("model.layers.1.self_attn.k_proj", "model.embed_tokens", "lm_head"):
         w, s, b = (weights[f"{name}.{part}"] for part in ("weight", "scales", "biases"))
-        values = np.array(mx.dequantize(w, s, b, group_size=32, bits=bits))
+        values = np.array(mx.dequantize(w, s, b, group_size=32, bits=kept))
         np.testing.assert_array_equal(values, held[f"{name}.weight"])
     assert rel_err(logits_of(model), reference_logits(config, held)) < 1e-4
 
@@ -507,8 +506,9 @@ def test_quantize_other_types_requantizes(tmp_path):
         tmp_path, "llama", lambda n: "Q4_0" if "q_proj" in n else "Q5_1"
     )
     out = tmp_path / "out"
-    plan = G.plan_conversion(src, bits=8, group_size=32)
+    plan = G.plan_conversion(src, bits=8)
     assert not any(t.keep_blocks for t in plan.tensors)  # Q4_0 is not 8-bit
+    assert plan.config["quantization"]["group_size"] == 32
     model, _ = convert_and_load(src, out, bits=4, group_size=64)
     q = json.loads((out / "config.json").read_text())["quantization"]
     assert {k for k in q if k.startswith("model.")} == {

@@ -52,8 +52,8 @@ def convert(
         False,
         "-q",
         "--quantize",
-        help="Write MLX affine-quantized weights (a GGUF's own Q4_0/Q4_1/Q8_0 "
-        "blocks are kept where the bits match).",
+        help="Write MLX affine-quantized weights (a GGUF's own Q4_0/Q4_1 blocks "
+        "are kept at 4 bits, and Q8_0 ones always).",
         metavar="",
     ),
     q_bits: int | None = typer.Option(
@@ -66,7 +66,8 @@ def convert(
         None,
         "--q-group-size",
         metavar="SIZE",
-        help="Quantization group size with -q: 32, 64 or 128 (default 64).",
+        help="Quantization group size with -q: 32, 64 or 128 (default 64; 32 "
+        "for GGUF, its own block size).",
     ),
     target: str | None = typer.Option(
         None,
@@ -118,7 +119,7 @@ def convert_gguf_cli(args: SimpleNamespace) -> None:
     options = dict(
         dtype=args.dtype or "float16",
         bits=(args.q_bits or 4) if args.quantize else None,
-        group_size=args.q_group_size or 64,
+        group_size=args.q_group_size or 32,
     )
     if args.dry_run:
         print(describe_plan(plan_conversion(args.gguf, **options)))
