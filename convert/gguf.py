@@ -258,6 +258,7 @@ def model_config(gguf: GGUFFile) -> dict[str, Any]:
         raise DSparkError(f"GGUF RoPE scaling {scaling!r} is not supported.")
     if arch == "llama":
         config |= {
+            "architectures": ["LlamaForCausalLM"],
             "attention_bias": False,
             "mlp_bias": False,
             "rope_traditional": False,
