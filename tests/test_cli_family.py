@@ -90,11 +90,11 @@ def test_a_negative_draft_count_names_the_flag_not_a_block_size(pair):
     assert str(sys.maxsize) not in result.stderr
 
 
-def test_dequantize_help_names_the_fast_cpu_dtype():
+def test_convert_help_names_the_fast_cpu_dtype():
     result = family("convert", "--help")
     help_text = " ".join(result.stdout.split())
     assert "float16 (faster on CPU)" not in help_text
-    assert "with --dtype float32 it runs fastest on CPU" in help_text
+    assert "float32 runs fastest on CPU" in help_text
 
 
 def test_first_run_says_it_measures_the_cost_profile(pair, tmp_path):

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_gguf import tiny_metadata, tiny_tensors, uniform, write_gguf
+from test_gguf import build
 
 import mlx_dspark
 from mlx_dspark import blas
@@ -223,7 +223,8 @@ def test_readme_train_command_runs_on_the_tiny_pair(tiny_pair):
 
 def test_readme_gguf_command_converts(tiny_pair):
     target, drafter, work = tiny_pair
-    write_gguf(work / "model.gguf", tiny_metadata(), tiny_tensors(uniform("Q4_0")))
+    path, *_ = build(work, "llama", lambda name: "Q4_K")
+    path.rename(work / "model.gguf")
     result = shell(on_tiny_pair(command_of(GGUF), target, drafter), work)
     assert result.returncode == 0, result.stderr
     config = json.loads((work / "models" / "target-f32" / "config.json").read_text())
