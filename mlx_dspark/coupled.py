@@ -22,6 +22,8 @@ resampling, :mod:`mlx_dspark.verify`); see :func:`resolve_sampling`.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -50,23 +52,50 @@ def resolve_sampling(sampling: str | None, seed: int | None) -> str:
     return sampling
 
 
+def _set_global_key(key: mx.array) -> None:
+    """Make ``key`` MLX's global key state (what ``mx.random.seed`` sets)."""
+    mx.random.state[0][...] = key
+
+
+@contextmanager
+def own_keys() -> Iterator[None]:
+    """Leave the global key state as it was: random draws inside (weight
+    initialisation, profiling) come from keys mlx-lm's sampler then draws
+    again, as if they had never happened."""
+    saved = mx.array(mx.random.state[0])
+    mx.eval(saved)
+    try:
+        yield
+    finally:
+        _set_global_key(saved)
+
+
 @dataclass
 class TokenKeys:
-    """The per-token keys of mlx-lm's sampler after ``mx.random.seed(seed)``.
+    """The per-token keys of mlx-lm's sampler from a key state: after
+    ``mx.random.seed(seed)`` that state is ``mx.random.key(seed)``.
 
     ``peek(n)`` gives the keys of the next ``n`` tokens without using them up,
-    ``take(n)`` uses them up. A generation's own stream: the global key state
-    is never read or advanced.
+    ``take(n)`` uses them up. With ``follow_global`` the stream starts from
+    the global key state and moves it on as tokens are taken, as mlx-lm's
+    sampler does; otherwise the global state is never read or moved.
     """
 
     state: mx.array
     coin: bool = False  # XTC splits off its coin's key before each draw
-    ahead: list[TokenKey] = field(default_factory=list)
+    follow_global: bool = False
+    # Each token's keys and the key state after them.
+    ahead: list[tuple[TokenKey, mx.array]] = field(default_factory=list)
 
     @classmethod
     def from_seed(cls, seed: int | None, params: SamplingParams) -> TokenKeys:
         seed = secrets.randbits(63) if seed is None else seed
         return cls(mx.random.key(seed), params.xtc_probability > 0)
+
+    @classmethod
+    def from_global(cls, params: SamplingParams) -> TokenKeys:
+        """Go on from the global key state, moving it as mlx-lm would."""
+        return cls(mx.array(mx.random.state[0]), params.xtc_probability > 0, True)
 
     def peek(self, n: int) -> list[TokenKey]:
         while len(self.ahead) < n:
@@ -74,11 +103,13 @@ class TokenKeys:
             if self.coin:
                 self.state, coin = mx.random.split(self.state)
             self.state, draw = mx.random.split(self.state)
-            self.ahead.append((coin, draw))
-        return self.ahead[:n]
+            self.ahead.append(((coin, draw), self.state))
+        return [keys for keys, _ in self.ahead[:n]]
 
     def take(self, n: int) -> list[TokenKey]:
         keys = self.peek(n)
+        if self.follow_global and n:
+            _set_global_key(self.ahead[n - 1][1])
         del self.ahead[:n]
         return keys
 

@@ -13,7 +13,7 @@ import mlx.nn as nn
 from mlx_lm.generate import GenerationResponse
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .coupled import resolve_sampling
+from .coupled import own_keys, resolve_sampling
 from .drafter import DSparkDrafter
 from .errors import DSparkError
 from .loop import GenerationStats, speculative_generate_step
@@ -120,9 +120,12 @@ def stream_generate(
 
     ``seed``: sampled output is then token for token what
     ``mlx_lm.stream_generate`` gives after ``mx.random.seed(seed)`` with the
-    same sampling arguments, whatever the policy. ``sampling``: ``"coupled"``
-    or ``"residual"`` (see :mod:`~mlx_dspark.coupled`); None: coupled with a
-    seed, else :data:`~mlx_dspark.coupled.UNSEEDED_SAMPLING`. A seed with
+    same sampling arguments, whatever the policy, and the global key state
+    is left alone. ``sampling``: ``"coupled"`` or ``"residual"`` (see
+    :mod:`~mlx_dspark.coupled`); None: coupled with a seed, else
+    :data:`~mlx_dspark.coupled.UNSEEDED_SAMPLING`. Coupled without a seed
+    draws from the global key state as mlx-lm does (so ``mx.random.seed(S)``
+    before the call reproduces mlx-lm's output too). A seed with
     ``"residual"`` repeats only with a fixed ``num_draft``.
     """
     if not isinstance(tokenizer, TokenizerWrapper):
@@ -161,7 +164,11 @@ def stream_generate(
                 f"Pass settings or {next(iter(given))}, not both: settings "
                 "already hold every DSpark argument."
             )
-        resolved = resolve_policy(model, drafter, settings, progress=profile_progress)
+        # Profiling and calibration draw no key mlx-lm's sampler would use.
+        with own_keys():
+            resolved = resolve_policy(
+                model, drafter, settings, progress=profile_progress
+            )
         telemetry = resolved.policy.telemetry
         telemetry.policy, telemetry.note = resolved.mode, resolved.note
         telemetry.calibration = resolved.calibration_path

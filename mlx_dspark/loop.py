@@ -201,8 +201,10 @@ def speculative_generate_step(
     tokens ``mlx_lm.generate`` samples after ``mx.random.seed(seed)``
     (:mod:`~mlx_dspark.coupled`), ``"residual"`` uses rejection sampling
     with residual resampling; both are exact samples. None: coupled with a
-    seed, else :data:`~mlx_dspark.coupled.UNSEEDED_SAMPLING`. The global
-    key state is never read or advanced.
+    seed, else :data:`~mlx_dspark.coupled.UNSEEDED_SAMPLING`. With a seed
+    the global key state is never read or moved; coupled without one goes on
+    from it and moves it as mlx-lm's sampler does, so after
+    ``mx.random.seed(S)`` the output is mlx-lm's with that seed.
 
     Stopping on end-of-sequence tokens is the caller's job; rounds may commit
     past it, which does not change the tokens before it.
@@ -210,10 +212,14 @@ def speculative_generate_step(
     policy = policy or ThresholdPolicy()
     mode = mode or ChainMode()
     stats = stats if stats is not None else GenerationStats()
-    coupled = resolve_sampling(sampling, seed) == "coupled" and not params.greedy
+    keys = None
+    if resolve_sampling(sampling, seed) == "coupled" and not params.greedy:
+        if seed is None:
+            keys = TokenKeys.from_global(params)
+        else:
+            keys = TokenKeys.from_seed(seed, params)
     seed = secrets.randbits(63) if seed is None else seed
-    keys = TokenKeys.from_seed(seed, params) if coupled else None
-    rng: Randomness = keys if coupled else np.random.default_rng(seed)
+    rng: Randomness = np.random.default_rng(seed) if keys is None else keys
     key = mx.random.key(seed)
 
     cache = target.make_cache()

@@ -204,6 +204,50 @@ def test_seeded_generation_leaves_the_global_keys_alone(pair):
     assert np.array_equal(np.array(mx.random.state[0]), before)
 
 
+def test_own_keys_and_loading_leave_the_global_keys_as_mlx_lm_does(pair):
+    """``own_keys`` undoes the draws inside it; loading a pair moves the
+    global key state exactly as ``mlx_lm.load`` of the target alone does
+    (weight initialisation draws keys), so ``mlx_dspark.generate --seed``
+    samples from mlx-lm's key state."""
+    from mlx_lm.utils import load as mlx_lm_load
+
+    from mlx_dspark.coupled import own_keys
+    from mlx_dspark.loading import load
+
+    *_, target_dir, drafter_dir, _ = pair
+    mx.random.seed(4)
+    with own_keys():
+        mx.random.uniform(shape=(3,))
+    assert mx.array_equal(mx.random.state[0], mx.random.key(4)).item()
+    mx.random.seed(4)
+    mlx_lm_load(str(target_dir))
+    theirs = np.array(mx.random.state[0])
+    assert not np.array_equal(theirs, np.array(mx.random.key(4)))
+    mx.random.seed(4)
+    load(target_dir, drafter_dir)
+    assert np.array_equal(np.array(mx.random.state[0]), theirs)
+
+
+def test_unseeded_coupled_goes_on_from_the_global_keys(pair, expected):
+    """Coupled without a seed draws from the global key state like mlx-lm:
+    ``mx.random.seed(S)`` first gives mlx-lm's output for S, even when the
+    default policy measures its cost profile before the first token."""
+    model, tokenizer, drafter, *_ = pair
+    params = SETTINGS["t1-xtc"]
+    for seed in SEEDS:
+        mx.random.seed(seed)
+        tokens, _ = dspark_tokens(
+            model,
+            tokenizer,
+            drafter,
+            params,
+            None,
+            sampling="coupled",
+            profile="refresh",
+        )
+        assert tokens == expected[("t1-xtc", seed)]
+
+
 def test_server_requests_with_a_seed_equal_mlx_lm(pair, expected):
     model, tokenizer, drafter, *_ = pair
     engine = BatchEngine(model, tokenizer, drafter, EngineConfig(max_batch=8))
