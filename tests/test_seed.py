@@ -137,8 +137,15 @@ def test_token_keys_peek_then_take():
 @pytest.mark.parametrize("name", list(SETTINGS))
 @pytest.mark.parametrize(
     "policy",
-    [{}, {"num_draft": 1}, {"num_draft": 3}, {"num_draft": 5}, {"tree_budget": 6}],
-    ids=["default", "n1", "n3", "n5", "tree"],
+    [
+        {},
+        {"num_draft": 0},
+        {"num_draft": 1},
+        {"num_draft": 3},
+        {"num_draft": 5},
+        {"tree_budget": 6},
+    ],
+    ids=["default", "plain", "n1", "n3", "n5", "tree"],
 )
 def test_seeded_output_equals_mlx_lm(pair, expected, name, policy):
     model, tokenizer, drafter, *_ = pair
