@@ -144,8 +144,10 @@ def test_token_keys_peek_then_take():
         {"num_draft": 3},
         {"num_draft": 5},
         {"tree_budget": 6},
+        {"scheduler": "threshold", "confidence_threshold": 0.5},
+        {"scheduler": "auto"},
     ],
-    ids=["default", "plain", "n1", "n3", "n5", "tree"],
+    ids=["default", "plain", "n1", "n3", "n5", "tree", "threshold", "scheduler"],
 )
 def test_seeded_output_equals_mlx_lm(pair, expected, name, policy):
     model, tokenizer, drafter, *_ = pair
