@@ -301,4 +301,5 @@ def test_residual_sampling_still_available(pair, expected):
     with pytest.raises(DSparkError, match="coupled or residual"):
         dspark_tokens(model, tokenizer, drafter, params, 0, sampling="gumbel")
     assert resolve_sampling(None, 3) == "coupled"
+    assert resolve_sampling(None, None) == "residual"  # measured: more accepted
     assert resolve_sampling("residual", 3) == "residual"
