@@ -101,9 +101,7 @@ class AcceptEverything(ChainMode):
 @pytest.mark.parametrize("sampling", ["residual", "coupled"])
 @pytest.mark.parametrize("params", CONFIGS, ids=["t0.7-p0.9-k8", "t1"])
 @pytest.mark.parametrize("head", ["vanilla", "rnn"])
-def test_joint_distribution_of_first_three_tokens(
-    pair_factory, params, head, sampling
-):
+def test_joint_distribution_of_first_three_tokens(pair_factory, params, head, sampling):
     """Both sampled rules: rejection sampling with residuals, and Gumbel
     coupling (the target's own draw at every row, seed by seed)."""
     model, _, drafter, *_ = pair_factory(
