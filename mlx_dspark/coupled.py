@@ -5,7 +5,7 @@ After ``mx.random.seed(S)``, mlx-lm's sampler draws token ``i`` with
 each draw splits it (``state, key = split(state)``) and samples with
 ``key``; XTC first splits off a key of its own for its coin. Those keys
 depend on ``S`` and ``i`` only, never on the logits, so :class:`TokenKeys`
-computes them without touching the global state, and :func:`mlx_lm_token`
+computes them (from a seed without touching the global state), and :func:`mlx_lm_token`
 computes the token mlx-lm would sample from any row. Coupled verification
 keeps a draft iff it equals the target's own token at its row; the token
 after the kept drafts is the target's own token at the next row. So the
@@ -14,9 +14,10 @@ construction. The drafter draws its drafts with the same keys from its own
 rows, so drafts agree with the target wherever the two distributions are
 close.
 
-Without a seed a generation picks one of two exact rules
-(``sampling="coupled"`` or ``"residual"``, rejection sampling with residual
-resampling, :mod:`mlx_dspark.verify`); see :func:`resolve_sampling`.
+Without a seed a generation uses residual rejection sampling
+(:mod:`mlx_dspark.verify`), which keeps more drafts, unless asked for
+``sampling="coupled"``; see :func:`resolve_sampling` and
+:data:`UNSEEDED_SAMPLING`.
 """
 
 from __future__ import annotations
