@@ -19,6 +19,7 @@ from mlx_lm.models.activations import swiglu
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .config import DraftConfig
+from .coupled import TokenKey, mlx_lm_draw
 from .heads import ConfidenceHead, build_markov_head
 from .lookup import PhraseStore
 from .sampling import SamplingParams, processed_logits
@@ -460,12 +461,19 @@ class DSparkDrafter(nn.Module):
         anchor: mx.array,
         n: int,
         params: SamplingParams,
-        key: mx.array | None,
+        key: mx.array | list[TokenKey] | None,
         *,
         confidence: bool = True,
         copy: mx.array | None = None,
     ) -> Proposal:
         """Sample ``n`` drafts left to right through the sequential head.
+
+        ``key``: one key the drafts' keys are split from, or (coupled
+        sampling, one request) the token keys of the ``n`` positions drafted
+        (:class:`~mlx_dspark.coupled.TokenKeys`): draft ``k`` is then the
+        token mlx-lm would sample from the drafter's row ``k`` with those
+        keys, over the full target vocabulary, so it is the target's own
+        token wherever the two rows are close.
 
         ``hidden`` is ``[B, block, d]``; ``anchor`` is ``[B]``. The returned
         rows are those the drafts were drawn from (see :class:`Proposal`),
@@ -490,7 +498,8 @@ class DSparkDrafter(nn.Module):
             copy = copy[:, :n].astype(mx.int32)
         else:
             copy = None
-        if self.markov_head is None and copy is None:
+        coupled = isinstance(key, list)
+        if self.markov_head is None and copy is None and not coupled:
             rows = base
             if params.greedy:
                 tokens = self.draft_ids_to_target(base)
@@ -503,7 +512,10 @@ class DSparkDrafter(nn.Module):
                 base, hidden, anchor, copy, self._copy_bias(copy, base.dtype)
             )
         else:
-            keys = [None] * n if key is None else list(mx.random.split(key, n))
+            if coupled:
+                keys = key
+            else:
+                keys = [None] * n if key is None else list(mx.random.split(key, n))
             draft_params = self._in_draft_vocab(params)
             state = self._head_state(anchor)
             prev, following, tokens, rows, drawn = anchor, None, [], [], []
@@ -512,15 +524,22 @@ class DSparkDrafter(nn.Module):
                 state, row, following, outside = self._draft_row(
                     base, hidden, k, state, prev, copy, following, bias
                 )
-                drawn.append(processed_logits(row, draft_params))
-                prev = self._draw(drawn[-1], keys[k])
+                if coupled:
+                    prev, weights = mlx_lm_draw(self.to_target(row), params, keys[k])
+                    drawn.append(weights)
+                else:
+                    drawn.append(processed_logits(row, draft_params))
+                    prev = self._draw(drawn[-1], keys[k])
                 if outside is not None:
                     prev = mx.where(outside, copy[:, k], prev)
                 tokens.append(prev)
                 rows.append(row)
             tokens, rows = mx.stack(tokens, axis=1), mx.stack(rows, axis=1)
             drawn = mx.stack(drawn, axis=1)
-        corrected = self.to_target(rows if params.greedy else drawn)
+        if coupled:
+            corrected = drawn  # already over the target vocabulary
+        else:
+            corrected = self.to_target(rows if params.greedy else drawn)
         if copy is not None:
             hits, outside = self._copy_hits(tokens, copy)
             masses = point_mass(copy, corrected.shape[-1], corrected.dtype)

@@ -13,6 +13,7 @@ import mlx.nn as nn
 from mlx_lm.generate import GenerationResponse
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .coupled import own_keys, resolve_sampling
 from .drafter import DSparkDrafter
 from .errors import DSparkError
 from .loop import GenerationStats, speculative_generate_step
@@ -94,6 +95,7 @@ def stream_generate(
     xtc_special_tokens: Sequence[int] = (),
     profile_progress: Callable[[int, int], None] | None = None,
     settings: SpeculationSettings | None = None,
+    sampling: str | None = None,
 ) -> Generator[DSparkResponse, None, None]:
     """Like ``mlx_lm.stream_generate``; ``drafter=None`` decodes with the target alone.
 
@@ -115,6 +117,16 @@ def stream_generate(
     ``min_tokens_to_keep``, ``prefill_step_size`` and the ``xtc_*`` arguments
     mean what they mean in mlx-lm (min-p filter, prompt tokens per prefill
     forward, XTC sampling, see :class:`~mlx_dspark.sampling.SamplingParams`).
+
+    ``seed``: sampled output is then token for token what
+    ``mlx_lm.stream_generate`` gives after ``mx.random.seed(seed)`` with the
+    same sampling arguments, whatever the policy, and the global key state
+    is left alone. ``sampling``: ``"coupled"`` or ``"residual"`` (see
+    :mod:`~mlx_dspark.coupled`); None: coupled with a seed, else
+    :data:`~mlx_dspark.coupled.UNSEEDED_SAMPLING`. Coupled without a seed
+    draws from the global key state as mlx-lm does (so ``mx.random.seed(S)``
+    before the call reproduces mlx-lm's output too). A seed with
+    ``"residual"`` repeats only with a fixed ``num_draft``.
     """
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
@@ -131,6 +143,7 @@ def stream_generate(
         tuple(int(t) for t in xtc_special_tokens),
     )
     prompt = _encode(tokenizer, prompt)
+    sampling = resolve_sampling(sampling, seed)
 
     stats = telemetry = None
     if drafter is None:
@@ -151,7 +164,11 @@ def stream_generate(
                 f"Pass settings or {next(iter(given))}, not both: settings "
                 "already hold every DSpark argument."
             )
-        resolved = resolve_policy(model, drafter, settings, progress=profile_progress)
+        # Profiling and calibration draw no key mlx-lm's sampler would use.
+        with own_keys():
+            resolved = resolve_policy(
+                model, drafter, settings, progress=profile_progress
+            )
         telemetry = resolved.policy.telemetry
         telemetry.policy, telemetry.note = resolved.mode, resolved.note
         telemetry.calibration = resolved.calibration_path
@@ -176,6 +193,7 @@ def stream_generate(
             prefill_step_size=prefill_step_size,
             copy_draft=settings.copy_draft,
             copy_as_is=settings.copy_as_is,
+            sampling=sampling,
         )
 
     detokenizer = tokenizer.detokenizer

@@ -13,6 +13,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .config import DraftConfig
+from .coupled import own_keys
 from .drafter import DSparkDrafter
 from .errors import DSparkError
 from .lookup import PHRASES_FILE, PhraseStore
@@ -429,6 +430,9 @@ def load(
     )
     if draft_model is None:
         return model, tokenizer, None
-    drafter = load_drafter(draft_model, model)
-    TargetAdapter(model, drafter.config.target_layer_ids).self_check()
+    # As mlx_lm.load leaves it: the drafter's weight initialisation and the
+    # self-check draw no key a seeded sampler will use.
+    with own_keys():
+        drafter = load_drafter(draft_model, model)
+        TargetAdapter(model, drafter.config.target_layer_ids).self_check()
     return model, tokenizer, drafter

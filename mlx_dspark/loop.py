@@ -20,13 +20,14 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
+from .coupled import TokenKey, TokenKeys, mlx_lm_token, resolve_sampling
 from .drafter import DraftCache, DSparkDrafter, Proposal
 from .lookup import copy_for, offers
 from .modes import ChainMode, RoundMode, copied_proposal
 from .sampling import SamplingParams, probabilities, sample
 from .scheduler import threshold_cut
 from .target import TargetAdapter
-from .verify import draw
+from .verify import Randomness, draw
 
 
 @dataclass
@@ -142,22 +143,28 @@ def plain_step(
     cache: list,
     token: mx.array,
     params: SamplingParams,
-    key: mx.array | None,
+    key: mx.array | TokenKey | None,
 ) -> tuple[mx.array, mx.array | None]:
     """One lazy target step: the next token ``[1]`` and the step's features.
+
+    ``key``: the draw's key, or (coupled sampling) the token's keys.
 
     ``token`` may itself be lazy (the previous step's output), which is what
     lets plain rounds overlap the host's work with the device's.
     """
     logits, features = target(token[None], cache)
+    if isinstance(key, tuple):
+        return mlx_lm_token(logits[0, -1:], params, key), features
     return sample(logits[0, -1:], params, key), features
 
 
-def first_token(
-    logits: mx.array, params: SamplingParams, rng: np.random.Generator
-) -> int:
+def first_token(logits: mx.array, params: SamplingParams, rng: Randomness) -> int:
+    """The token after the prompt from its logits ``[V]``, drawn with
+    ``rng`` (see :data:`~mlx_dspark.verify.Randomness`)."""
     if params.greedy:
         return int(mx.argmax(logits).item())
+    if isinstance(rng, TokenKeys):
+        return int(mlx_lm_token(logits, params, rng.take(1)[0]).item())
     return draw(probabilities(logits, params), rng)
 
 
@@ -176,6 +183,7 @@ def speculative_generate_step(
     prefill_step_size: int = 512,
     copy_draft: int | None = None,
     copy_as_is: bool = False,
+    sampling: str | None = None,
 ) -> Iterator[tuple[int, bool]]:
     """Yield ``(token, from_draft)`` until ``max_tokens`` tokens are produced.
 
@@ -189,14 +197,29 @@ def speculative_generate_step(
     itself (:func:`~mlx_dspark.modes.copied_proposal`) without running the
     drafter, which ingests that round's features with the next round it drafts.
 
+    ``sampling`` (sampled ``params`` only): ``"coupled"`` commits the very
+    tokens ``mlx_lm.generate`` samples after ``mx.random.seed(seed)``
+    (:mod:`~mlx_dspark.coupled`), ``"residual"`` uses rejection sampling
+    with residual resampling; both are exact samples. None: coupled with a
+    seed, else :data:`~mlx_dspark.coupled.UNSEEDED_SAMPLING`. With a seed
+    the global key state is never read or moved; coupled without one goes on
+    from it and moves it as mlx-lm's sampler does, so after
+    ``mx.random.seed(S)`` the output is mlx-lm's with that seed.
+
     Stopping on end-of-sequence tokens is the caller's job; rounds may commit
     past it, which does not change the tokens before it.
     """
     policy = policy or ThresholdPolicy()
     mode = mode or ChainMode()
     stats = stats if stats is not None else GenerationStats()
+    keys = None
+    if resolve_sampling(sampling, seed) == "coupled" and not params.greedy:
+        if seed is None:
+            keys = TokenKeys.from_global(params)
+        else:
+            keys = TokenKeys.from_seed(seed, params)
     seed = secrets.randbits(63) if seed is None else seed
-    rng = np.random.default_rng(seed)
+    rng: Randomness = np.random.default_rng(seed) if keys is None else keys
     key = mx.random.key(seed)
 
     cache = target.make_cache()
@@ -219,7 +242,10 @@ def speculative_generate_step(
     phrases = drafter.phrase_store if copying else None
     ahead = None  # a plain step already launched for the coming round
 
-    def split(key: mx.array) -> tuple[mx.array, mx.array | None]:
+    def split(key: mx.array) -> tuple[mx.array, mx.array | TokenKey | None]:
+        """The loop's key and a plain step's key (coupled: the token's keys)."""
+        if keys is not None:
+            return key, keys.take(1)[0]
         return (key, None) if params.greedy else mx.random.split(key)
 
     def next_cap(copy: np.ndarray | None, phrased: bool) -> int:
@@ -279,7 +305,10 @@ def speculative_generate_step(
                 observe(no_proposal, stats.rounds[-1])
             yield anchor, False
             continue
-        key, round_key = mx.random.split(key)
+        if keys is not None:
+            round_key = keys.peek(cap)  # the drafted tokens' keys, not used up
+        else:
+            key, round_key = mx.random.split(key)
         offered = offers(copy)
         as_is = copy_as_is and offered and bool((copy[:cap] >= 0).all())
         if as_is:

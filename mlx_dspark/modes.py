@@ -66,10 +66,11 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
+from .coupled import TokenKey, TokenKeys, mlx_lm_token
 from .drafter import DSparkDrafter, Proposal, point_mass
 from .sampling import SamplingParams, log_probs, normalised, probabilities
 from .target import TargetAdapter
-from .verify import Verdict, draw, rejection_step, verdict, without
+from .verify import Randomness, Verdict, draw, rejection_step, verdict, without
 
 
 class RoundMode(Protocol):
@@ -82,7 +83,7 @@ class RoundMode(Protocol):
         anchor: mx.array,
         cap: int,
         params: SamplingParams,
-        key: mx.array,
+        key: mx.array | list[TokenKey],
         copy: mx.array | None = None,
     ) -> Proposal:
         """Drafts for one round; ``copy`` holds tokens copied from the context
@@ -96,7 +97,7 @@ class RoundMode(Protocol):
         proposal: Proposal,
         n: int,
         params: SamplingParams,
-        rng: np.random.Generator,
+        rng: Randomness,
     ) -> tuple[Verdict, list[int], mx.array]:
         """The verdict, the accepted drafts in order and the features to commit."""
 
@@ -111,7 +112,7 @@ class ChainMode:
         anchor: mx.array,
         cap: int,
         params: SamplingParams,
-        key: mx.array,
+        key: mx.array | list[TokenKey],
         copy: mx.array | None = None,
     ) -> Proposal:
         """The drafter's chain of ``cap`` drafts, at most its block. Past the
@@ -136,7 +137,7 @@ class ChainMode:
         proposal: Proposal,
         n: int,
         params: SamplingParams,
-        rng: np.random.Generator,
+        rng: Randomness,
     ) -> tuple[Verdict, list[int], mx.array]:
         """Returns the verdict, the drafts verified and the features to commit."""
         drafts = np.array(proposal.tokens[0, :n]).tolist()
@@ -188,7 +189,7 @@ def settle_chain(
     logits: mx.array,
     features: mx.array | None,
     params: SamplingParams,
-    rng: np.random.Generator,
+    rng: Randomness,
 ) -> tuple[Verdict, list[int], mx.array | None]:
     """Accept from a verified chain, roll the cache back, keep the committed features."""
     n = len(drafts)
@@ -344,14 +345,19 @@ class TreeMode:
         anchor: mx.array,
         cap: int,
         params: SamplingParams,
-        key: mx.array,
+        key: mx.array | list[TokenKey],
         copy: mx.array | None = None,
     ) -> Proposal:
         """A tree as a proposal: ``tokens[0, i]`` is node ``i + 1`` of the
         tree whose node 0 is the anchor; ``logits[0, i]`` the row it was
         drawn from (see :class:`~mlx_dspark.drafter.Proposal`);
         ``extra['parents'][i]`` its parent's index.
-        Trees do not copy from the context."""
+        Trees do not copy from the context. Given token keys (coupled
+        sampling), the tree is drawn with a key split from the first one:
+        any tree keeps the output exact, coupled verification commits the
+        target's own tokens."""
+        if isinstance(key, list):
+            key = mx.random.split(key[0][1])[0]
         nodes, base = self.build(
             drafter, hidden, int(anchor[0].item()), cap, params, key
         )
@@ -382,7 +388,7 @@ class TreeMode:
         proposal: Proposal,
         n: int,
         params: SamplingParams,
-        rng: np.random.Generator,
+        rng: Randomness,
     ) -> tuple[Verdict, list[int], mx.array]:
         """Verify every node whose depth is at most ``n`` in one forward."""
         parents = list(proposal.extra.get("parents", ()))
@@ -417,6 +423,10 @@ class TreeMode:
         mx.eval(logits, features)
         if params.greedy:
             path, next_token = self._walk_greedy(logits[0], tokens, children)
+        elif isinstance(rng, TokenKeys):
+            path, next_token = self._walk_coupled(
+                logits[0], tokens, children, params, rng
+            )
         else:
             path, next_token = self._walk_sampled(
                 logits[0], proposal.logits[0], keep, tokens, children, params, rng
@@ -438,6 +448,27 @@ class TreeMode:
             match = [c for c in children[u] if tokens[c] == best[u]]
             if not match:
                 return path, best[u]
+            u = match[0]
+            path.append(u)
+
+    @staticmethod
+    def _walk_coupled(
+        logits: mx.array,
+        tokens: list[int],
+        children: list[list[int]],
+        params: SamplingParams,
+        keys: TokenKeys,
+    ) -> tuple[list[int], int]:
+        """Follow the child that is the target's own token (drawn with the
+        keys of its depth); uses up the committed tokens' keys."""
+        path, u = [0], 0
+        while True:
+            key = keys.peek(len(path))[-1]
+            own = int(mlx_lm_token(logits[u], params, key).item())
+            match = [c for c in children[u] if tokens[c] == own]
+            if not match:
+                keys.take(len(path))
+                return path, own
             u = match[0]
             path.append(u)
 

@@ -1,8 +1,10 @@
 """Chain acceptance: which drafts the target keeps, and the token after them.
 
 Greedy keeps the longest prefix equal to the target's argmax. Sampling uses
-rejection sampling with residual resampling, so committed tokens are an exact
-sample of the processed target distribution.
+rejection sampling with residual resampling (a NumPy generator as the random
+stream), or Gumbel coupling (:class:`~mlx_dspark.coupled.TokenKeys` as the
+stream, see :mod:`mlx_dspark.coupled`); either way committed tokens are an
+exact sample of the processed target distribution.
 """
 
 from __future__ import annotations
@@ -12,7 +14,12 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from .coupled import TokenKeys, mlx_lm_tokens
 from .sampling import SamplingParams, normalised, probabilities
+
+# What a sampled verdict draws with: a NumPy generator (residual rejection
+# sampling) or a generation's token keys (Gumbel coupling).
+Randomness = np.random.Generator | TokenKeys
 
 
 @dataclass
@@ -88,15 +95,37 @@ def accept_sampled(
     return Verdict(n, draw(probabilities(target_logits[n], params), rng))
 
 
+def accept_coupled(
+    drafts: np.ndarray,
+    target_logits: mx.array,
+    params: SamplingParams,
+    keys: TokenKeys,
+) -> Verdict:
+    """Keep draft ``i`` iff it is the token mlx-lm samples from row ``i``
+    with that token's keys; the next token is the first row's own token
+    that differs (or the row after the drafts). Uses up the keys of the
+    committed tokens."""
+    n = len(drafts)
+    own = np.array(mlx_lm_tokens(target_logits[: n + 1], params, keys.peek(n + 1)))
+    accepted = 0
+    while accepted < n and drafts[accepted] == own[accepted]:
+        accepted += 1
+    keys.take(accepted + 1)
+    return Verdict(accepted, int(own[accepted]))
+
+
 def verdict(
     drafts: np.ndarray,
     draft_rows: mx.array,
     target_logits: mx.array,
     params: SamplingParams,
-    rng: np.random.Generator,
+    rng: Randomness,
 ) -> Verdict:
     """The chain's verdict; ``draft_rows`` are a proposal's rows (read only
-    when sampling, see :func:`accept_sampled`)."""
+    by residual sampling, see :func:`accept_sampled`); ``rng`` picks the
+    sampled rule (:data:`Randomness`)."""
     if params.greedy:
         return accept_greedy(drafts, target_logits)
+    if isinstance(rng, TokenKeys):
+        return accept_coupled(drafts, target_logits, params, rng)
     return accept_sampled(drafts, draft_rows, target_logits, params, rng)

@@ -101,6 +101,30 @@ def test_sampling_flags_and_seed_are_reproducible(pair):
     assert first.stdout == second.stdout
 
 
+def test_seed_gives_mlx_lm_generate_output(pair):
+    """With --seed the text is mlx_lm.generate's, with the default policy
+    and a fixed draft count; --dspark-sampling residual is exact, not equal."""
+    target, drafter = pair
+    common = ["--model", target, "-p", "t1 t2", "-m", "24", "--verbose", "false"]
+    common += ["--temp", "0.9", "--top-p", "0.95", "--xtc-probability", "0.3"]
+    common += ["--xtc-threshold", "0.1", "--seed", "5"]
+    mlx_lm = subprocess.run(
+        [sys.executable, "-m", "mlx_lm", "generate", *common],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert mlx_lm.returncode == 0, mlx_lm.stderr
+    assert len(mlx_lm.stdout.split()) > 10
+    for extra in ([], ["--dspark-n-draft", "3"]):
+        ours = run(*common, "--draft-model", drafter, *extra)
+        assert ours.returncode == 0, ours.stderr
+        assert ours.stdout == mlx_lm.stdout, extra
+    residual = run(*common, "--draft-model", drafter, "--dspark-sampling", "residual")
+    assert residual.returncode == 0, residual.stderr
+    assert residual.stdout != mlx_lm.stdout
+
+
 def test_no_model_uses_the_built_in_default_pair():
     result = run("-p", "What is 2 + 2?", "-m", "10")
     if find_target_gguf() is None:
@@ -118,6 +142,7 @@ def test_no_model_uses_the_built_in_default_pair():
     [
         (["--dspark-n-draft", "99"], "--dspark-n-draft must be between 0"),
         (["--temp", "-1"], "--temp must be >= 0"),
+        (["--dspark-sampling", "exact"], "--dspark-sampling must be coupled or"),
         (["--top-p", "2"], "--top-p must be in"),
         (["--max-tokens", "0"], "--max-tokens must be at least 1"),
         (

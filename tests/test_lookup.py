@@ -17,8 +17,8 @@ from test_sampling import (
     chi_square,
     chi_square_critical,
     exact_joint,
-    sample_first_three,
 )
+from test_sampling import sample_first_three as sample_with
 
 from mlx_dspark import loop as generation_loop
 from mlx_dspark.drafter import Proposal
@@ -30,6 +30,13 @@ from mlx_dspark.policies import MonitoredPolicy
 from mlx_dspark.sampling import SamplingParams
 from mlx_dspark.structured import PairSpec, build_structured_pair
 from mlx_dspark.target import TargetAdapter
+
+
+def sample_first_three(*args, **kwargs):
+    """Residual rejection sampling, whose point-mass rows for copied drafts
+    these tests check (and catch when wrong); coupled sampling with copies
+    is checked against mlx-lm's own draws in test_seed."""
+    return sample_with(*args, sampling="residual", **kwargs)
 
 
 def brute_continuation(history, length, min_ngram=2, max_ngram=3):

@@ -10,8 +10,13 @@ import pytest
 from test_greedy import dspark_tokens, target_greedy
 from test_lookup import DraftsWithoutTheirBias, copy_bias
 from test_policy import NO_PROPOSAL, PLAIN_SECONDS, drafted_seconds
-from test_sampling import SEEDS, chi_square, chi_square_critical, exact_joint
-from test_sampling import sample_first_three as sample
+from test_sampling import (
+    SEEDS,
+    chi_square,
+    chi_square_critical,
+    exact_joint,
+    sample_first_three,
+)
 
 from mlx_dspark.adaptive import AdaptivePolicy
 from mlx_dspark.errors import DSparkError
@@ -19,6 +24,12 @@ from mlx_dspark.loading import load_drafter
 from mlx_dspark.lookup import PHRASES_FILE, PhraseStore, copy_for
 from mlx_dspark.loop import RoundStats
 from mlx_dspark.sampling import SamplingParams
+
+
+def sample(*args, **kwargs):
+    """Residual rejection sampling, whose rows for the store's copied drafts
+    these tests check (and catch when wrong)."""
+    return sample_first_three(*args, sampling="residual", **kwargs)
 
 
 def brute_phrases(documents, history, length, min_ngram=3, max_ngram=6):

@@ -482,6 +482,7 @@ def test_a_biased_plain_round_is_caught(pair_factory, monkeypatch):
             max_tokens=3,
             seed=seed,
             policy=Alternate((0,)),
+            sampling="residual",  # coupled plain rounds: checked in test_seed
         )
         key = tuple(t for t, _ in tokens)
         samples[key] = samples.get(key, 0) + 1

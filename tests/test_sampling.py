@@ -98,15 +98,18 @@ class AcceptEverything(ChainMode):
         return Verdict(n, bonus), drafts, features
 
 
+@pytest.mark.parametrize("sampling", ["residual", "coupled"])
 @pytest.mark.parametrize("params", CONFIGS, ids=["t0.7-p0.9-k8", "t1"])
 @pytest.mark.parametrize("head", ["vanilla", "rnn"])
-def test_joint_distribution_of_first_three_tokens(pair_factory, params, head):
+def test_joint_distribution_of_first_three_tokens(pair_factory, params, head, sampling):
+    """Both sampled rules: rejection sampling with residuals, and Gumbel
+    coupling (the target's own draw at every row, seed by seed)."""
     model, _, drafter, *_ = pair_factory(
         markov_head_type=head, sharpness=0.6, block_size=4
     )
     joint = exact_joint(model, params)
     assert abs(sum(joint.values()) - 1.0) < 1e-4
-    samples, stats = sample_first_three(model, drafter, params)
+    samples, stats = sample_first_three(model, drafter, params, sampling=sampling)
     stat, dof = chi_square(samples, joint, SEEDS)
     assert dof >= 5
     assert stat < chi_square_critical(dof), (stat, dof)

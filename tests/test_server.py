@@ -333,14 +333,16 @@ def test_gate_speedup_is_drafting_over_plain():
     assert gate.speedup(1) == pytest.approx(1.5) and gate.speedup(4) == gate.speedup(1)
 
 
-def test_sampled_requests_exact_in_mixed_batches(pair_factory):
+@pytest.mark.parametrize("sampling", ["coupled", "residual"])
+def test_sampled_requests_exact_in_mixed_batches(pair_factory, sampling):
     """Sampled requests batched with greedy ones and with each other are exact
-    samples of the target (chi-square over the first tokens' joint)."""
+    samples of the target (chi-square over the first tokens' joint), with
+    either sampling rule."""
     model, tokenizer, drafter, *_ = pair_factory(block_size=4, sharpness=0.5, seed=3)
     params = SamplingParams(temperature=1.0, top_k=3)
     prompt, depth, n = [1, 2, 3], 2, 600
     exact = exact_joint(model, prompt, params, depth)
-    config = EngineConfig(max_batch=8, adaptive=False)
+    config = EngineConfig(max_batch=8, adaptive=False, sampling=sampling)
     engine = BatchEngine(model, tokenizer, drafter, config)
     try:
         handles = []
@@ -386,6 +388,11 @@ def test_sampled_requests_exact_in_mixed_batches(pair_factory):
             ["--prompt-cache-size", "-1"],
             1,
             "error: --prompt-cache-size must be at least 0, got -1.",
+        ),
+        (
+            ["--dspark-sampling", "exact"],
+            1,
+            "error: --dspark-sampling must be coupled or residual, got 'exact'.",
         ),
     ],
 )

@@ -210,6 +210,7 @@ def sample_first_three(model, drafter, params, make_mode, seeds=SEEDS):
             max_tokens=6,
             seed=seed,
             mode=modes[-1],
+            sampling="residual",  # the recursive rejection sampling under test
         )
         samples[tuple(t for t, _ in itertools.islice(tokens, 3))] += 1
     return samples, [r for m in modes for r in m.rounds]

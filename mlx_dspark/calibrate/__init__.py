@@ -37,6 +37,7 @@ from ..calibration import (
     records_per_position,
     records_to_arrays,
 )
+from ..coupled import UNSEEDED_SAMPLING
 from ..drafter import DSparkDrafter, Proposal
 from ..errors import DSparkError
 from ..loop import RoundStats, speculative_generate_step
@@ -185,6 +186,8 @@ def collect_records(
             policy=policy,
             mode=settings.make_mode(),
             seed=seed + attempt,
+            # Its own keys (the seed), and the rule unseeded generation uses.
+            sampling=UNSEEDED_SAMPLING,
         ):
             if len(policy.records) - before >= budget:
                 break

@@ -19,6 +19,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..coupled import SAMPLING_METHODS, UNSEEDED_SAMPLING, resolve_sampling
 from ..errors import DSparkError
 from ..settings import SCHEDULERS, build_settings
 from .terminal import ArgumentParser, progress_bar, run_cli
@@ -106,6 +107,14 @@ def setup_arg_parser(prog: str | None = None) -> argparse.ArgumentParser:
         default=0,
         metavar="BUDGET",
         help="Draft a tree of this many nodes per round (0 = a chain).",
+    )
+    group.add_argument(
+        "--dspark-sampling",
+        default=None,
+        metavar="RULE",
+        help="coupled | residual: how sampled drafts are verified, both exact "
+        "(default: coupled with --seed, whose output is then mlx_lm.generate's "
+        f"with that seed; else {UNSEEDED_SAMPLING}).",
     )
     return parser
 
@@ -208,6 +217,10 @@ def _check_values(args: argparse.Namespace) -> None:
         (args.kv_group_size >= 1, "--kv-group-size must be >= 1"),
         (args.quantized_kv_start >= 0, "--quantized-kv-start must be >= 0"),
         (args.num_draft_tokens >= 0, "--num-draft-tokens must be >= 0"),
+        (
+            args.dspark_sampling in (None, *SAMPLING_METHODS),
+            "--dspark-sampling must be coupled or residual",
+        ),
     ]
     for ok, message in checks:
         if not ok:
@@ -227,6 +240,7 @@ DSPARK_FLAGS = {
     "dspark_scheduler": "--dspark-scheduler",
     "dspark_profile": "--dspark-profile",
     "dspark_tree": "--dspark-tree",
+    "dspark_sampling": "--dspark-sampling",
 }
 
 
@@ -387,18 +401,26 @@ def _print_dspark(responses, show: bool) -> str:
 
 
 def _run_dspark(args: argparse.Namespace, explicit: set[str]) -> None:
+    import mlx.core as mx
+
     from ..generation import stream_generate
     from ..loading import load
 
     _refuse_for_dspark(args)
     _speculation(args, explicit, sys.maxsize)  # all but the block size, before loading
     default_pair = args.model is None
+    if args.seed is not None:
+        # Where mlx_lm.generate seeds: loading the target draws keys too.
+        # Sampling then goes on from the global key state (coupled).
+        mx.random.seed(args.seed)
     model, tokenizer, drafter = load(args.model, args.draft_model, **_load_kwargs(args))
     _add_eos_tokens(tokenizer, args.extra_eos_token)
     text, raw = _build_prompt(tokenizer, args)
     tokens = tokenizer.encode(text, add_special_tokens=raw)
     _refuse_after_prompt(args, len(tokens))
     settings = _speculation(args, explicit, drafter.block_size)
+    sampling = resolve_sampling(args.dspark_sampling, args.seed)
+    coupled = sampling == "coupled"
     if default_pair:
         print(
             "No --model given: using the built-in default pair, SmolLM2-135M-Instruct "
@@ -420,7 +442,8 @@ def _run_dspark(args: argparse.Namespace, explicit: set[str]) -> None:
             top_k=args.top_k,
             min_p=args.min_p,
             min_tokens_to_keep=args.min_tokens_to_keep,
-            seed=args.seed,
+            seed=None if coupled else args.seed,
+            sampling=sampling,
             settings=settings,
             prefill_step_size=args.prefill_step_size,
             xtc_probability=args.xtc_probability,

@@ -13,6 +13,7 @@ import sys
 
 import typer
 
+from ..coupled import SAMPLING_METHODS, UNSEEDED_SAMPLING
 from ..errors import DSparkError
 from ..sampling import SamplingParams
 from .terminal import run_command
@@ -85,6 +86,14 @@ def _cli(
         "any), refresh (measure it now), none. The server refines it with "
         "its own measured step times either way.",
     ),
+    dspark_sampling: str | None = typer.Option(
+        None,
+        "--dspark-sampling",
+        help="coupled | residual: how sampled drafts are verified, both exact "
+        "(default: coupled for a request with a seed, whose tokens are then "
+        "mlx_lm.generate's with that seed; else "
+        f"{UNSEEDED_SAMPLING}).",
+    ),
     adapter_path: str | None = typer.Option(
         None, "--adapter-path", help="LoRA/DoRA adapters for the target."
     ),
@@ -132,6 +141,10 @@ def _cli(
             raise ValueError
     except ValueError:
         raise DSparkError("--chat-template-args must be a JSON object.") from None
+    if dspark_sampling not in (None, *SAMPLING_METHODS):
+        raise DSparkError(
+            f"--dspark-sampling must be coupled or residual, got {dspark_sampling!r}."
+        )
     if dspark_profile not in ("auto", "refresh", "none"):
         raise DSparkError(
             f"--dspark-profile must be auto, refresh or none, got {dspark_profile!r}."
@@ -171,6 +184,7 @@ def _cli(
             prior=prior,
             prompt_cache_size=prompt_cache_size,
             prompt_cache_bytes=cache_bytes,
+            sampling=dspark_sampling,
         ),
     )
     settings = ServerSettings(

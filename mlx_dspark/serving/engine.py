@@ -29,6 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..coupled import TokenKeys, resolve_sampling
 from ..drafter import DSparkDrafter, Proposal
 from ..lookup import continuation
 from ..loop import RoundStats, first_token
@@ -40,6 +41,7 @@ from ..scheduler import SchedulerSettings, StepRateCurve
 from ..settings import build_settings
 from ..target import BatchRow, RequestBatch, TargetAdapter
 from ..telemetry import Telemetry
+from ..verify import Randomness
 from .prompt_cache import CachedPrompt, PromptCache
 
 logger = logging.getLogger("mlx_dspark.server")
@@ -104,7 +106,7 @@ class _Slot:
     unseen: list  # target features the drafter has not ingested yet
     anchor: int
     start: int  # position of the anchor
-    rng: np.random.Generator
+    rng: Randomness  # the request's sampled verdicts draw with it
     key: mx.array
     prefilled: int = 0  # prompt tokens in the cache so far
     cached: int = 0  # of them, reused from the prompt cache
@@ -324,7 +326,11 @@ class EngineConfig:
     default (``n_draft_min=0``), so Algorithm 1 alone decides, and critical
     memory pressure drops to plain decoding. ``adaptive``: skip drafting
     in steps where it does not pay (:class:`DraftGate`). ``prompt_cache_size``
-    / ``prompt_cache_bytes``: the :class:`PromptCache` (0: none)."""
+    / ``prompt_cache_bytes``: the :class:`PromptCache` (0: none).
+    ``sampling``: the sampled requests' rule, ``"coupled"`` or
+    ``"residual"`` (:mod:`~mlx_dspark.coupled`); None: coupled for a request
+    with a seed (its tokens are then ``mlx_lm.generate``'s with that seed),
+    else :data:`~mlx_dspark.coupled.UNSEEDED_SAMPLING`."""
 
     num_draft: int | None = None
     max_batch: int = 8
@@ -336,6 +342,7 @@ class EngineConfig:
     prior: StepRateCurve | None = None
     prompt_cache_size: int = 10
     prompt_cache_bytes: int | None = None
+    sampling: str | None = None
 
 
 def _empty_proposal() -> Proposal:
@@ -525,7 +532,11 @@ class BatchEngine:
             handle.events.put(Event([], finish_reason="cancelled"))
             return
         request = handle.request
+        sampling = resolve_sampling(self.config.sampling, request.seed)
         seed = secrets.randbits(63) if request.seed is None else request.seed
+        rng: Randomness = np.random.default_rng(seed)
+        if sampling == "coupled" and not request.params.greedy:
+            rng = TokenKeys.from_seed(seed, request.params)
         try:
             slot = _Slot(
                 handle=handle,
@@ -534,7 +545,7 @@ class BatchEngine:
                 unseen=[],
                 anchor=-1,
                 start=0,
-                rng=np.random.default_rng(seed),
+                rng=rng,
                 key=mx.random.key(seed),
             )
             self._reuse_prompt(slot)
@@ -804,7 +815,10 @@ class BatchEngine:
             params = slots[r].request.params
             if params.greedy:
                 continue
-            slots[r].key, key = mx.random.split(slots[r].key)
+            if isinstance(slots[r].rng, TokenKeys):
+                key = slots[r].rng.peek(caps[r])  # coupled: the tokens' keys
+            else:
+                slots[r].key, key = mx.random.split(slots[r].key)
             proposals[r] = drafter.propose(
                 hidden[j : j + 1],
                 anchors[j : j + 1],
