@@ -157,6 +157,7 @@ BENCH = [
     "mlx_dspark.benchmark --max-tokens 48 --trials 3 --modes target,default,fixed "
     "--fixed-n 0",
     "python examples/eval_default_pair.py --prompts 8 --max-tokens 96 --no-acceptance",
+    "python examples/coupled_vs_residual.py --max-tokens 64 --seeds 2",
 ]
 SETUP = [
     "sudo apt-get install -y libopenblas0-pthread",
