@@ -256,7 +256,9 @@ def test_a_later_generation_remembers_what_was_measured():
     assert fresh.best_length(7) == 0 and fresh.text.plain_left == 0
     assert fresh.text.interval == policy.text.interval > fresh.probe_after
     assert fresh.copies.interval == fresh.probe_after  # no copy was offered
-    assert list(fresh.plain_costs) == list(policy.plain_costs)
+    assert fresh.round_costs(7) == policy.round_costs(7)
+    play(fresh, 1, lambda n: 0)  # measures its own from there on
+    assert fresh.costs.rounds == policy.costs.rounds + 1
 
 
 def test_a_calibration_that_measured_poor_acceptance_means_plain_from_the_start(
@@ -341,7 +343,17 @@ def cache_profile(model, drafter, draft_share: float) -> None:
     curve.save(profile_path(key))
 
 
+def fake_loop_clock(monkeypatch) -> None:
+    """Each reading of the loop's clock advances it by 1 ms: a round's measured
+    cost depends on its kind (a drafted round 3 ms, a plain one 2 ms), not on
+    the machine's load, so the policy's choices are the same on every run."""
+    readings = itertools.count()
+    clock = SimpleNamespace(perf_counter=lambda: next(readings) * 1e-3)
+    monkeypatch.setattr(loop, "time", clock)
+
+
 def test_structured_pair_drafts_by_default(pair_factory, tmp_path, monkeypatch):
+    fake_loop_clock(monkeypatch)
     model, tokenizer, drafter, *_ = pair_factory(block_size=8)
     monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path))
     cache_profile(model, drafter, 0.1)
@@ -409,12 +421,7 @@ def test_greedy_identical_with_plain_rounds_mixed_in(pair_factory, pattern, bias
 def test_default_policy_with_copying_is_lossless_and_knows_the_copies(
     pair_factory, monkeypatch
 ):
-    # Each reading of the loop's clock advances it by 1 ms: a round's measured
-    # cost depends on its kind, not on the machine's load, so the policy's
-    # choices (how far copied rounds reach) are the same on every run.
-    readings = itertools.count()
-    clock = SimpleNamespace(perf_counter=lambda: next(readings) * 1e-3)
-    monkeypatch.setattr(loop, "time", clock)
+    fake_loop_clock(monkeypatch)  # how far copied rounds reach: the same every run
     model, tokenizer, drafter, *_ = pair_factory(block_size=8)
     offered, longest = [], 0
     for prompt in (
