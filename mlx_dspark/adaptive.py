@@ -225,13 +225,14 @@ class AdaptivePolicy(_Recording):
         """A length to try this round although it is not the best predicted:
         one whose price rests on extrapolation and whose least possible cost
         (:meth:`RoundCosts.optimistic <mlx_dspark.costs.RoundCosts.optimistic>`)
-        would beat the best predicted rate by ``explore_margin``, the most
-        promising such; at most once every ``explore_every`` rounds (once
-        measured, a length is priced as measured, so each is tried at most
-        once per the costs' ``memory``). None when there is none. Lengths
-        beyond :meth:`best_length`'s reach are not tried."""
+        would beat the best predicted rate by ``explore_margin``. A plain
+        round first (the cheapest kind to try); a drafted length at most once
+        every ``explore_every`` rounds. Once measured, a length is priced as
+        measured, so each is tried at most once per the costs' ``memory``.
+        None when there is none. Lengths beyond :meth:`best_length`'s reach
+        are not tried."""
         kind = self.text if kind is None else kind
-        if self.costs.rounds - self.explored_at < self.explore_every:
+        if self.costs.rounds == self.explored_at:  # nothing measured since
             return None
         reach = max(kind.kept, default=1) + 1
         longest = min(cap, 2 * reach)
@@ -241,10 +242,24 @@ class AdaptivePolicy(_Recording):
         rates = self._rates(least, kind)
         tries = [n for n in range(longest + 1) if least[n] < costs[n]]
         tries = [n for n in tries if rates[n] > best]
+        if tries and tries[0] > 0:
+            waited = self.costs.rounds - self.explored_at
+            tries = tries if waited >= self.explore_every else []
         if not tries:
             return None
         self.explored_at = self.costs.rounds
-        return max(tries, key=lambda n: rates[n])
+        return tries[0] if tries[0] == 0 else max(tries, key=lambda n: rates[n])
+
+    def drafting_can_pay(self, cap: int) -> bool:
+        """Whether some length would beat plain rounds if every draft were
+        kept (also when a one-draft round was not measured lately: probes
+        measure it). When not, probing for better acceptance is pointless:
+        on a target whose verify of k tokens costs k steps (quantized on a
+        CPU) it only costs time."""
+        costs = self.costs.costs(cap)
+        if 2 not in self.costs.measured():
+            return True
+        return max((n + 1) / costs[n] for n in range(1, cap + 1)) > 1.0 / costs[0]
 
     def best_length(self, cap: int, kind: RoundKind | None = None) -> int:
         """The best predicted length; among lengths within 1% of the best, the
@@ -307,6 +322,9 @@ class AdaptivePolicy(_Recording):
                 kind.interval = self.probe_after
             return min(kind.choice, cap)
         if kind.choice == 0:  # the plain run is over: probe with one draft
+            if not self.drafting_can_pay(cap):
+                kind.plain_left = kind.interval - 1
+                return 0
             kind.probing = True
             kind.probe_hits = self._counts(0, kind)[0]
             return 1

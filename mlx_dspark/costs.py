@@ -19,11 +19,12 @@ A longer query costs no less than a shorter one (up to small dips, which
 measuring them corrects), so a length between two measured ones is priced
 between their costs whatever the profile says. A length longer than every
 measured one and priced too high would never be chosen, so never measured:
-:meth:`RoundCosts.optimistic` prices it at the least it can cost, the
-longest measured query's verify, and the policy tries it when even that
+:meth:`RoundCosts.optimistic` prices the next one at the least it can cost,
+the longest measured query's verify, and the policy tries it when even that
 price clearly beats its best choice
 (:class:`~mlx_dspark.adaptive.AdaptivePolicy`); once measured it is priced
-as measured, until its measurements are ``memory`` rounds old.
+as measured, until its measurements are ``memory`` rounds old, and the
+lengths past it by the profile scaled to it.
 """
 
 from __future__ import annotations
@@ -67,9 +68,10 @@ class RoundCosts:
     """Recent measured costs of rounds, by kind and query length.
 
     ``window`` measurements are kept per query length and for plain rounds,
-    ``drafted_window`` for drafting and host times; verify and plain
-    measurements older than ``memory`` rounds are forgotten (the machine's
-    load moves).
+    ``drafted_window`` for drafting and host times; verify measurements
+    older than ``memory`` rounds are forgotten (the machine's load moves; a
+    stale plain cost is kept, bounded by the drafted rounds' verifies, since
+    the lengths still measured would price it through the profile's shape).
     """
 
     profile: StepRateCurve | None = None
@@ -77,7 +79,7 @@ class RoundCosts:
     drafted_window: int = 12
     memory: int = 256
     rounds: int = 0
-    plain: deque = field(default_factory=deque)  # (round, seconds)
+    plain: deque = field(default_factory=deque)
     verify: dict[int, deque] = field(default_factory=dict)  # q: (round, seconds)
     drafting: deque = field(default_factory=deque)  # rounds in steady state
     catching_up: deque = field(default_factory=deque)  # after a plain run
@@ -100,7 +102,7 @@ class RoundCosts:
         all the context since, so its drafting time is only an upper bound)."""
         self.rounds += 1
         if stats.drafted == 0:
-            self.plain.append((self.rounds, stats.wall_time or stats.verify_time))
+            self.plain.append(stats.wall_time or stats.verify_time)
             return
         q = stats.verified + 1
         times = self.verify.setdefault(q, deque(maxlen=self.window))
@@ -117,7 +119,7 @@ class RoundCosts:
         oldest = self.rounds - self.memory
         return [t for at, t in times if at > oldest]
 
-    def _measured(self) -> dict[int, float]:
+    def measured(self) -> dict[int, float]:
         """Median recent verify seconds by measured query length."""
         out = {}
         for q in sorted(self.verify):
@@ -130,14 +132,13 @@ class RoundCosts:
         return median(self.host) if self.host else 0.0
 
     def _measured_plain(self, measured: dict[int, float]) -> float | None:
-        """Median recent plain round, never above the shortest measured
+        """Median of the last plain rounds, never above the shortest measured
         drafted round's verify plus host time (a plain round does less; a
         plain cost measured under a heavier load is not re-measured while
         drafting)."""
-        recent = self._recent(self.plain)
-        if not recent:
+        if not self.plain:
             return None
-        plain = median(recent)
+        plain = median(self.plain)
         if measured:
             plain = min(plain, measured[min(measured)] + self.host_seconds())
         return plain
@@ -158,7 +159,7 @@ class RoundCosts:
         measurements, or a line through them) held to what the measured
         lengths around them allow: no less than a shorter one, and between
         two, on the line joining them where the prior falls outside."""
-        measured = self._measured()
+        measured = self.measured()
         if self.profile is not None:
             known, logs = self._log_ratios(measured)
             ratios = np.exp(np.interp(qs, known, logs))
@@ -196,7 +197,7 @@ class RoundCosts:
         took (an upper bound); without a profile a share of a plain round."""
         if self.drafting:
             return median(self.drafting)
-        measured = self._measured()
+        measured = self.measured()
         if self.profile is not None:
             logs = self._log_ratios(measured)[1]
             prior = self.profile.draft_seconds * math.exp(median(logs))
@@ -210,25 +211,28 @@ class RoundCosts:
         """Predicted seconds of a round verifying n = 0..cap drafts."""
         verify = self.verify_seconds(list(range(1, cap + 2)))
         host = self.host_seconds()
-        plain = self._measured_plain(self._measured())
+        plain = self._measured_plain(self.measured())
         if plain is None:
             plain = verify[0] + host
         draft = self.draft_seconds()
         return [plain] + [draft + v + host for v in verify[1:]]
 
     def optimistic(self, cap: int) -> list[float]:
-        """:meth:`costs` with the rounds not measured lately whose price rests
-        on extrapolation priced at the least they can cost: a drafted length
-        longer than every measured one at the longest measured query's verify
-        (plus draft and host time), and a plain round at the profile's own
-        one-token forward (its scale to measured rounds is what is unsure)."""
+        """:meth:`costs` with the rounds not measured (lately) whose price
+        rests on extrapolation priced at the least they can cost: the drafted length
+        one past the longest measured at that one's verify (plus draft and
+        host time), and a plain round at the profile's own one-token forward
+        (its scale to measured rounds is what is unsure). One length at a
+        time: the next one's least cost is then the measured one's, close to
+        its true cost wherever costs climb steeply (quantized targets on a
+        CPU), where trying a long round on the floor of a short one would
+        cost several plain rounds."""
         costs = self.costs(cap)
-        measured = self._measured()
-        if self.profile is not None and not self._recent(self.plain):
+        measured = self.measured()
+        if self.profile is not None and not self.plain:
             costs[0] = min(costs[0], self.profile.step_seconds(1))
-        if measured:
-            longest = max(measured)
-            least = self.draft_seconds() + measured[longest] + self.host_seconds()
-            for n in range(longest, cap + 1):
-                costs[n] = min(costs[n], least)
+        if measured and max(measured) <= cap:
+            n = max(measured)  # verifies n + 1 tokens
+            least = self.draft_seconds() + measured[n] + self.host_seconds()
+            costs[n] = min(costs[n], least)
         return costs
