@@ -287,6 +287,21 @@ class AdaptivePolicy(_Recording):
 
     # -- the loop's hooks --------------------------------------------------
 
+    def plain_ahead(self, phrases: bool = True) -> bool:
+        """Whether the coming round is plain whatever copy it is offered
+        (``phrases``: a copy may come from a phrase store): every kind it can
+        be is in a plain run, or at its end with no length that could pay.
+        The loop then queues its step before the previous token reaches the
+        host, even with copying."""
+        kinds = [self.text, self.copies] + ([self.phrases] if phrases else [])
+        return all(self._plain_next(kind) for kind in kinds)
+
+    def _plain_next(self, kind: RoundKind) -> bool:
+        if kind.plain_left > 0:
+            return True
+        ended = kind.choice == 0 and not kind.stale and kind.cap > 0
+        return ended and not self.drafting_can_pay(kind.cap)
+
     def round_cap(self, cap: int, copy: bool = False, phrases: bool = False) -> int:
         cap = guarded_cap(self.guard, self.telemetry, cap)
         self._offered = copy
@@ -322,7 +337,8 @@ class AdaptivePolicy(_Recording):
                 kind.interval = self.probe_after
             return min(kind.choice, cap)
         if kind.choice == 0:  # the plain run is over: probe with one draft
-            if not self.drafting_can_pay(cap):
+            if not self.drafting_can_pay(cap):  # as after a rejected probe
+                kind.interval = min(2 * kind.interval, self.probe_max)
                 kind.plain_left = kind.interval - 1
                 return 0
             kind.probing = True

@@ -523,3 +523,122 @@ def test_copies_start_from_their_own_prior_not_the_calibrations():
     for _ in range(20):
         policy.observe(NO_PROPOSAL, RoundStats(9, 9, 9, copy_offered=True))
     assert min(policy.acceptance(9, policy.copies)) > 0.9
+
+
+class Scripted:
+    """Caps from a script (then full rounds), and a ``plain_ahead`` that
+    tells the truth about the next one."""
+
+    def __init__(self, script):
+        self.script = list(script)
+
+    def round_cap(self, cap, copy=False, phrases=False):
+        return min(cap, self.script.pop(0)) if self.script else cap
+
+    def plain_ahead(self, phrases=True):
+        return bool(self.script) and self.script[0] == 0
+
+    def draft_length(self, proposal, cap):
+        return cap
+
+
+PLAIN_RUNS = [0, 0, 0, 8, 0, 0, 8, 8, 0, 0, 0, 0, 8] * 6
+
+
+@pytest.mark.parametrize("bias", [0.0, 1e3], ids=["own", "copying"])
+def test_greedy_identical_with_plain_steps_queued_ahead(pair_factory, bias):
+    model, _, drafter, *_ = pair_factory(block_size=8)
+    target = TargetAdapter(model, drafter.config.target_layer_ids)
+    for prompt in ([1, 2, 3], [13, 5, 5, 21, 2, 17]):
+        with copy_bias(drafter, bias):
+            tokens = speculative_generate_step(
+                mx.array(prompt),
+                target,
+                drafter,
+                num_draft=drafter.block_size,
+                max_tokens=64,
+                policy=Scripted(PLAIN_RUNS),
+            )
+            tokens = [t for t, _ in tokens]
+        assert tokens == greedy_target(model, prompt, 64)
+
+
+def test_sampling_exact_with_plain_steps_queued_ahead(pair_factory):
+    model, _, drafter, *_ = pair_factory(
+        markov_head_type="vanilla", sharpness=0.6, block_size=4
+    )
+    params = CONFIGS[0]
+    joint = exact_joint(model, params)
+    with copy_bias(drafter, 1e3):
+        samples, _ = sample_first_three(
+            model, drafter, params, seeds=1500, policy=lambda: Scripted([0, 0])
+        )
+    stat, dof = chi_square(samples, joint, 1500)
+    assert dof >= 5
+    assert stat < chi_square_critical(dof), (stat, dof)
+
+
+def test_with_copying_a_plain_step_is_queued_before_the_lookup(
+    pair_factory, monkeypatch
+):
+    """Copying needs the token to look the next copy up; a policy that knows
+    the next round is plain anyway lets the loop queue that round's step
+    first, as mlx-lm's loop does, instead of leaving the device idle."""
+    model, _, drafter, *_ = pair_factory(block_size=8)
+    target = TargetAdapter(model, drafter.config.target_layer_ids)
+    events = []
+    step, lookup = loop.plain_step, loop.copy_for
+    monkeypatch.setattr(
+        loop, "plain_step", lambda *a: events.append("step") or step(*a)
+    )
+    monkeypatch.setattr(
+        loop, "copy_for", lambda *a: events.append("lookup") or lookup(*a)
+    )
+
+    def run(policy) -> str:
+        events.clear()
+        with copy_bias(drafter, 1e3):
+            list(
+                speculative_generate_step(
+                    mx.array([1, 2, 3]),
+                    target,
+                    drafter,
+                    num_draft=8,
+                    max_tokens=6,
+                    policy=policy,
+                )
+            )
+        return " ".join(events)
+
+    told = Scripted([0] * 5)
+    blind = Alternate((0,))
+    # The first step is queued in its own round; each later one, told, before
+    # the lookup that plans its round (blind, after it); no step after the last.
+    assert run(told) == "lookup step" + " step lookup" * 4 + " lookup"
+    assert run(blind) == "lookup step" + " lookup step" * 4 + " lookup"
+
+
+def test_the_default_policy_says_plain_ahead_only_when_it_is():
+    """Whenever ``plain_ahead`` is true, the next round is plain whatever it
+    is offered; on a target whose verify of k tokens costs k steps that is
+    nearly every round, copies and phrases offered or not."""
+    import random
+
+    from test_costs import curve_for, linear
+
+    rng = random.Random(0)
+    policy = AdaptivePolicy(profile=curve_for(linear))
+    ahead = 0
+    for _ in range(400):
+        said = policy.plain_ahead()
+        copy = rng.random() < 0.3
+        phrases = not copy and rng.random() < 0.3
+        n = policy.round_cap(7, copy=copy, phrases=phrases)
+        assert n == 0 or not said
+        ahead += said
+        seconds = (0.002, linear(n + 1)) if n else (0.0, linear(1))
+        kept = rng.randint(0, n)
+        policy.observe(
+            NO_PROPOSAL, RoundStats(n, n, kept, *seconds, 0.0, copy or phrases, phrases)
+        )
+    assert ahead >= 0.95 * 400
