@@ -225,9 +225,10 @@ class AdaptivePolicy(_Recording):
         """A length to try this round although it is not the best predicted:
         one whose price rests on extrapolation and whose least possible cost
         (:meth:`RoundCosts.optimistic <mlx_dspark.costs.RoundCosts.optimistic>`)
-        would beat the best predicted rate by ``explore_margin``. A plain
-        round first (the cheapest kind to try); a drafted length at most once
-        every ``explore_every`` rounds. Once measured, a length is priced as
+        would beat the best predicted rate by ``explore_margin``. Plain rounds
+        first (the cheapest kind to try; most of a ``window`` of them, so
+        that their measurements outvote their prior); a drafted length
+        at most once every ``explore_every`` rounds. Once measured, a length is priced as
         measured, so each is tried at most once per the costs' ``memory``.
         None when there is none. Lengths beyond :meth:`best_length`'s reach
         are not tried."""
@@ -323,6 +324,8 @@ class AdaptivePolicy(_Recording):
                 trial = self.exploration(cap, kind)
             if trial is not None and trial != kind.choice:
                 kind.stale = True  # decide again after the trial
+                if trial == 0:  # enough plain rounds to outvote their prior
+                    kind.plain_left = self.window // 2
                 return trial
             if kind.choice == 0:
                 if probed and self._counts(0, kind)[0] > kind.probe_hits:

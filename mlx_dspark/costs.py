@@ -131,14 +131,15 @@ class RoundCosts:
     def host_seconds(self) -> float:
         return median(self.host) if self.host else 0.0
 
-    def _measured_plain(self, measured: dict[int, float]) -> float | None:
-        """Median of the last plain rounds, never above the shortest measured
-        drafted round's verify plus host time (a plain round does less; a
-        plain cost measured under a heavier load is not re-measured while
-        drafting)."""
+    def _measured_plain(
+        self, measured: dict[int, float], plain: float | None = None
+    ) -> float | None:
+        """Median of the last plain rounds (or ``plain``), never above the
+        shortest measured drafted round's verify plus host time (a plain
+        round does less)."""
         if not self.plain:
             return None
-        plain = median(self.plain)
+        plain = median(self.plain) if plain is None else plain
         if measured:
             plain = min(plain, measured[min(measured)] + self.host_seconds())
         return plain
@@ -211,9 +212,14 @@ class RoundCosts:
         """Predicted seconds of a round verifying n = 0..cap drafts."""
         verify = self.verify_seconds(list(range(1, cap + 2)))
         host = self.host_seconds()
-        plain = self._measured_plain(self.measured())
-        if plain is None:
-            plain = verify[0] + host
+        measured = self.measured()
+        plain = verify[0] + host  # as the drafted rounds price a plain one
+        if self.plain:
+            # Until a full window of plain rounds is measured (perhaps under
+            # another load than the drafted ones, and not again while
+            # drafting), that price votes for the missing ones.
+            votes = [*self.plain, *[plain] * (self.window - len(self.plain))]
+            plain = self._measured_plain(measured, median(votes))
         draft = self.draft_seconds()
         return [plain] + [draft + v + host for v in verify[1:]]
 

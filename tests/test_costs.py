@@ -206,3 +206,20 @@ def test_plain_rounds_are_measured_when_only_extrapolation_prices_them():
     wrong = curve_for(verify, lambda q: 0.1 if q > 1 else 1.0)
     chosen, *_ = simulate(AdaptivePolicy(profile=wrong), verify, TEXTS["poor"])
     assert chosen[0] > 0 and chosen[-50:].count(0) >= 45
+
+
+def test_one_slow_plain_round_does_not_price_plain_rounds():
+    """Plain rounds are not re-measured while drafting: one measured during a
+    hiccup would otherwise price them all, and a plain round priced like a
+    one-draft verify makes drafting one look nearly free on a target whose
+    verify of 2 tokens costs 2 steps. The drafted rounds' price for it votes
+    until a window of plain rounds is measured."""
+    costs = RoundCosts(curve_for(linear))
+    for _ in range(5):
+        costs.observe(RoundStats(1, 1, 0, DRAFT, linear(2)), steady=True)
+    costs.observe(RoundStats(0, 0, 0, 0.0, 3 * linear(1)), steady=False)
+    plain, one = costs.costs(1)
+    assert plain == pytest.approx(linear(1)) and one == pytest.approx(DRAFT + linear(2))
+    for _ in range(4):  # slow every time: that is what plain rounds cost
+        costs.observe(RoundStats(0, 0, 0, 0.0, 3 * linear(1)), steady=False)
+    assert costs.costs(1)[0] == pytest.approx(linear(2))  # no more than a verify
