@@ -242,6 +242,12 @@ def contradiction(curve: StepRateCurve) -> str | None:
     return None
 
 
+def trusted(curve: StepRateCurve) -> bool:
+    """Whether a cached profile may be used as it is: it does not contradict
+    itself, or it did again when measured again."""
+    return "remeasured" in curve.meta or contradiction(curve) is None
+
+
 def fastest_of(first: StepRateCurve, second: StepRateCurve) -> StepRateCurve:
     """Two measurements of one profile combined: at each size, and for
     drafting, the faster (load from other processes only adds time)."""
@@ -277,14 +283,13 @@ def get_profile(
     path = profile_path(key)
     logger = logging.getLogger("mlx_dspark")
     cached = load_profile(model, drafter, n_max) if profile == "auto" else None
-    suspect = None if cached is None else contradiction(cached)
-    if cached is not None and (suspect is None or "remeasured" in cached.meta):
+    if cached is not None and trusted(cached):
         return cached
-    if suspect is not None:
+    if cached is not None:
         logger.info(
             "The cached cost profile %s contradicts itself (%s): measuring it again.",
             path,
-            suspect,
+            contradiction(cached),
         )
     else:
         logger.info("Measuring this pair's cost profile on this machine into %s.", path)

@@ -13,6 +13,7 @@ from mlx_dspark.profile import (
     get_profile,
     profile_key,
     profile_path,
+    trusted,
 )
 from mlx_dspark.scheduler import StepRateCurve
 
@@ -122,3 +123,10 @@ def test_the_real_measurement_is_checked_too(pair_factory, tmp_path, monkeypatch
     assert contradiction(curve) is None or "remeasured" in curve.meta
     again = get_profile(model, drafter)
     assert again.steps_per_second == curve.steps_per_second
+
+
+def test_a_profile_is_trusted_if_consistent_or_measured_twice():
+    assert trusted(CONSISTENT) and not trusted(SELF_CONTRADICTING)
+    twice = StepRateCurve.from_json(SELF_CONTRADICTING.to_json())
+    twice.meta["remeasured"] = contradiction(twice)
+    assert trusted(twice)
