@@ -53,7 +53,11 @@ own acceptance, measured on this text, already says. Once the policy stops
 drafting it probes with one draft after ``probe_after`` plain rounds,
 doubling the wait (up to ``probe_max``) after every rejected probe and going
 back to ``probe_after`` after a kept one, so a pair that starts badly and
-improves (a repetitive passage) drafts again.
+improves (a repetitive passage) drafts again. Where no length would pay even
+if every draft were kept (a quantized target on a CPU, whose verify of k
+tokens costs about k steps), it does not probe once a one-draft round has
+been measured, and says so ahead (:meth:`AdaptivePolicy.plain_ahead`) so the
+loop keeps plain steps pipelined.
 """
 
 from __future__ import annotations
@@ -227,11 +231,11 @@ class AdaptivePolicy(_Recording):
         (:meth:`RoundCosts.optimistic <mlx_dspark.costs.RoundCosts.optimistic>`)
         would beat the best predicted rate by ``explore_margin``. Plain rounds
         first (the cheapest kind to try; most of a ``window`` of them, so
-        that their measurements outvote their prior); a drafted length
-        at most once every ``explore_every`` rounds. Once measured, a length is priced as
-        measured, so each is tried at most once per the costs' ``memory``.
-        None when there is none. Lengths beyond :meth:`best_length`'s reach
-        are not tried."""
+        that their measurements outvote their prior); a drafted length at
+        most once every ``explore_every`` rounds. Once measured, a length is
+        priced as measured, so each is tried at most once per the costs'
+        ``memory``. None when there is none. Lengths beyond
+        :meth:`best_length`'s reach are not tried."""
         kind = self.text if kind is None else kind
         if self.costs.rounds == self.explored_at:  # nothing measured since
             return None

@@ -5,7 +5,10 @@ A drafted round verifying ``n`` drafts costs ``draft + verify(n + 1) + host``:
 the drafter's pass, the target's forward over the anchor and the drafts (with
 acceptance and rollback), and the rest of the round's wall time (the
 caller's time with the tokens, Python). A plain round is measured whole: it
-is pipelined, so it is not a one-token verify plus host time.
+is pipelined, so it is not a one-token verify plus host time. Plain rounds
+are not measured while drafting, so until a window of them is, the price the
+drafted rounds give a plain one (a one-token verify plus host time) votes
+for the rest: one plain round timed during a hiccup does not decide.
 
 Each verified query length keeps its own recent measurements (their median
 is its cost). A length not measured lately is the profile's cost for it times
