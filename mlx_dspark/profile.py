@@ -300,9 +300,7 @@ def get_profile(
         logger.debug(
             "The cost profile contradicts itself (%s): measuring again.", reason
         )
-        again = measure_profile(
-            target, drafter, n_max, progress=progress, **measure_kwargs
-        )
+        again = measure_profile(target, drafter, n_max, **measure_kwargs)
         curve = fastest_of(curve, again)
         curve.meta["remeasured"] = reason
         still = contradiction(curve)
