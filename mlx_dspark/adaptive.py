@@ -15,12 +15,13 @@ Predicted tokens/s for ``n`` drafts is ``E(n) / cost(n)``:
   what the earlier one measured;
 * ``cost(n)`` the wall time of a round that verifies ``n`` drafts, the
   caller's time with its tokens included (a pipelined plain round overlaps
-  the two): ``cost(0)`` the median of the last ``window`` plain rounds; for
-  drafted rounds, the pair's cost profile (which the default setup measures
-  once and caches, :func:`~mlx_dspark.policies.resolve_policy`) scaled to the
-  last ``drafted_window`` drafted rounds, or without a profile a robust line
-  through them (verify costs are not a line on every machine: OpenBLAS
-  verifies 16 tokens faster than 10 to 14).
+  the two), from :class:`~mlx_dspark.costs.RoundCosts`: every round is a
+  measurement of its kind and query length, and the pair's cost profile
+  (which the default setup measures once and caches,
+  :func:`~mlx_dspark.policies.resolve_policy`) only prices the lengths not
+  measured lately, scaled to the measured ones. So that a length the profile
+  prices too high is measured at all, the policy now and then tries one whose
+  least possible cost would clearly win (:meth:`AdaptivePolicy.exploration`).
 
 Drafting stops only when even an optimistic first-draft acceptance (the
 estimate plus ``optimism`` standard errors of its decayed counts) predicts
@@ -52,43 +53,24 @@ own acceptance, measured on this text, already says. Once the policy stops
 drafting it probes with one draft after ``probe_after`` plain rounds,
 doubling the wait (up to ``probe_max``) after every rejected probe and going
 back to ``probe_after`` after a kept one, so a pair that starts badly and
-improves (a repetitive passage) drafts again.
+improves (a repetitive passage) drafts again. Where no length would pay even
+if every draft were kept (a quantized target on a CPU, whose verify of k
+tokens costs about k steps), it does not probe once a one-draft round has
+been measured, and says so ahead (:meth:`AdaptivePolicy.plain_ahead`) so the
+loop keeps plain steps pipelined.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from statistics import median
 
+from .costs import RoundCosts
 from .drafter import Proposal
 from .loop import RoundStats
 from .memory import MemoryGuard
 from .recording import RecordingPolicy, guarded_cap, proposal_survival
 from .scheduler import StepRateCurve, schedule
-
-# Without any measurement or profile: a drafting round costs this many plain
-# rounds plus this much per draft (a CPU-like verify whose cost grows with its
-# query length). Measurements replace both after the first rounds.
-_DRAFT_OVERHEAD = 1.3
-_PER_DRAFT = 0.08
-
-
-def _line(
-    ns: list[float], ts: list[float], relative_slope: float
-) -> tuple[float, float]:
-    """Robust ``t = base + slope * n``: Theil-Sen (the median of the pairwise
-    slopes, never negative) once a few pairs of rounds differ in length, else
-    the slope ``relative_slope * base``. The base is the median residual, and
-    at least half the cheapest round (one noisy pair must not make a short
-    round look free). Plain Python: a dozen points, every round."""
-    pairs = [(i, j) for i in range(len(ns)) for j in range(i) if ns[i] != ns[j]]
-    if len(pairs) >= 4:
-        slope = max(0.0, median((ts[i] - ts[j]) / (ns[i] - ns[j]) for i, j in pairs))
-        base = median(t - slope * n for n, t in zip(ns, ts, strict=True))
-        return max(base, 0.5 * min(ts)), slope
-    base = median(t / (1.0 + relative_slope * n) for n, t in zip(ns, ts, strict=True))
-    return base, relative_slope * base
 
 
 @dataclass
@@ -155,18 +137,19 @@ class AdaptivePolicy(RecordingPolicy):
     drafted_window: int = 12
     probe_after: int = 8
     probe_max: int = 128
-    plain_costs: deque = field(default_factory=deque)
-    drafted_costs: deque = field(default_factory=deque)
+    explore_every: int = 16
+    explore_margin: float = 1.1
+    costs: RoundCosts | None = None
     text: RoundKind = field(default_factory=RoundKind)  # rounds without a copy
     copies: RoundKind = field(default_factory=RoundKind)  # rounds offered one
     phrases: RoundKind = field(default_factory=RoundKind)  # offered the store's
     last_drafted: bool = False
-    last_tokens: int = 1
+    explored_at: int = 0  # the round of the last exploration
     _offered: bool = False  # the coming round is offered a copy
 
     def __post_init__(self) -> None:
-        self.plain_costs = deque(self.plain_costs, maxlen=self.window)
-        self.drafted_costs = deque(self.drafted_costs, maxlen=self.drafted_window)
+        if self.costs is None:
+            self.costs = RoundCosts(self.profile, self.window, self.drafted_window)
         for kind in (self.text, self.copies, self.phrases):
             kind.interval = self.probe_after
             kind.kept = deque(kind.kept, maxlen=self.drafted_window)
@@ -175,8 +158,9 @@ class AdaptivePolicy(RecordingPolicy):
         """Start from what an earlier generation measured (costs, acceptance,
         how long drafts were kept, how long to wait before probing), not
         from the prior."""
-        self.plain_costs.extend(earlier.plain_costs)
-        self.drafted_costs.extend(earlier.drafted_costs)
+        self.costs = earlier.costs.copy()
+        self.costs.profile = self.profile
+        self.explored_at = earlier.explored_at
         self.text.remember(earlier.text)
         self.copies.remember(earlier.copies)
         self.phrases.remember(earlier.phrases)
@@ -225,56 +209,62 @@ class AdaptivePolicy(RecordingPolicy):
         plain, one = self.round_costs(1)
         return (1.0 + p) / one > (1.0 / plain if beat is None else beat)
 
-    def _profile_cost(self, n: int) -> float:
-        if n == 0:
-            return self.profile.step_seconds(1)
-        return self.profile.draft_seconds + self.profile.step_seconds(n + 1)
-
     def round_costs(self, cap: int) -> list[float]:
         """Predicted seconds of a round verifying n = 0..cap drafts."""
-        plain = median(self.plain_costs) if self.plain_costs else None
-        rounds = list(self.drafted_costs)
-        ns = [r[0] for r in rounds]
-        ts = [r[1] for r in rounds]
-        if plain is not None and rounds:
-            # A drafted round is a plain step plus drafting and a longer verify:
-            # never cheaper than a plain round (timings under a changing load
-            # can say otherwise, and plain costs are not re-measured while
-            # drafting).
-            plain = min(plain, median(r[1] - r[4] for r in rounds))
-        if self.profile is not None:
-            prof = [self._profile_cost(n) for n in range(cap + 1)]
-            if rounds:
-                scale = median(r[1] / self._profile_cost(r[0]) for r in rounds)
-            else:
-                scale = 1.0 if plain is None else plain / prof[0]
-            costs = [scale * c for c in prof]
-            if plain is not None:
-                costs[0] = plain
-            return costs
-        if plain is None and rounds:
-            # Not measured yet: a verify of the anchor alone, from the drafted
-            # rounds' verify times, plus the caller's time for one token (and
-            # the drafter's: an estimate that leans towards drafting).
-            caller = median((r[1] - r[2]) / r[3] for r in rounds)
-            plain = _line(ns, [r[2] for r in rounds], _PER_DRAFT)[0] + caller
-        elif plain is None:
-            plain = 1.0
-        if rounds:
-            base, slope = _line(ns, ts, _PER_DRAFT)
-        else:
-            base, slope = _DRAFT_OVERHEAD * plain, _PER_DRAFT * plain
-        return [plain] + [max(base + slope * n, 1e-9) for n in range(1, cap + 1)]
+        return self.costs.costs(cap)
 
-    def predicted_rates(self, cap: int, kind: RoundKind | None = None) -> list[float]:
-        """Predicted tokens per second for n = 0..cap drafts per round."""
-        costs = self.round_costs(cap)
+    def _rates(self, costs: list[float], kind: RoundKind | None) -> list[float]:
         rates, expected, survive = [1.0 / costs[0]], 1.0, 1.0
-        for n, p in enumerate(self.acceptance(cap, kind), start=1):
+        for n, p in enumerate(self.acceptance(len(costs) - 1, kind), start=1):
             survive *= p
             expected += survive
             rates.append(expected / costs[n])
         return rates
+
+    def predicted_rates(self, cap: int, kind: RoundKind | None = None) -> list[float]:
+        """Predicted tokens per second for n = 0..cap drafts per round."""
+        return self._rates(self.round_costs(cap), kind)
+
+    def exploration(self, cap: int, kind: RoundKind | None = None) -> int | None:
+        """A length to try this round although it is not the best predicted:
+        one whose price rests on extrapolation and whose least possible cost
+        (:meth:`RoundCosts.optimistic <mlx_dspark.costs.RoundCosts.optimistic>`)
+        would beat the best predicted rate by ``explore_margin``. Plain rounds
+        first (the cheapest kind to try; most of a ``window`` of them, so
+        that their measurements outvote their prior); a drafted length at
+        most once every ``explore_every`` rounds. Once measured, a length is
+        priced as measured, so each is tried at most once per the costs'
+        ``memory``. None when there is none. Lengths beyond
+        :meth:`best_length`'s reach are not tried."""
+        kind = self.text if kind is None else kind
+        if self.costs.rounds == self.explored_at:  # nothing measured since
+            return None
+        reach = max(kind.kept, default=1) + 1
+        longest = min(cap, 2 * reach)
+        costs = self.costs.costs(longest)
+        least = self.costs.optimistic(longest)
+        best = self.explore_margin * max(self._rates(costs, kind))
+        rates = self._rates(least, kind)
+        tries = [n for n in range(longest + 1) if least[n] < costs[n]]
+        tries = [n for n in tries if rates[n] > best]
+        if tries and tries[0] > 0:
+            waited = self.costs.rounds - self.explored_at
+            tries = tries if waited >= self.explore_every else []
+        if not tries:
+            return None
+        self.explored_at = self.costs.rounds
+        return tries[0] if tries[0] == 0 else max(tries, key=lambda n: rates[n])
+
+    def drafting_can_pay(self, cap: int) -> bool:
+        """Whether some length would beat plain rounds if every draft were
+        kept (also when a one-draft round was not measured lately: probes
+        measure it). When not, probing for better acceptance is pointless:
+        on a target whose verify of k tokens costs k steps (quantized on a
+        CPU) it only costs time."""
+        costs = self.costs.costs(cap)
+        if 2 not in self.costs.measured():
+            return True
+        return max((n + 1) / costs[n] for n in range(1, cap + 1)) > 1.0 / costs[0]
 
     def best_length(self, cap: int, kind: RoundKind | None = None) -> int:
         """The best predicted length; among lengths within 1% of the best, the
@@ -302,6 +292,21 @@ class AdaptivePolicy(RecordingPolicy):
 
     # -- the loop's hooks --------------------------------------------------
 
+    def plain_ahead(self, phrases: bool = True) -> bool:
+        """Whether the coming round is plain whatever copy it is offered
+        (``phrases``: a copy may come from a phrase store): every kind it can
+        be is in a plain run, or at its end with no length that could pay.
+        The loop then queues its step before the previous token reaches the
+        host, even with copying."""
+        kinds = [self.text, self.copies] + ([self.phrases] if phrases else [])
+        return all(self._plain_next(kind) for kind in kinds)
+
+    def _plain_next(self, kind: RoundKind) -> bool:
+        if kind.plain_left > 0:
+            return True
+        ended = kind.choice == 0 and not kind.stale and kind.cap > 0
+        return ended and not self.drafting_can_pay(kind.cap)
+
     def round_cap(self, cap: int, copy: bool = False, phrases: bool = False) -> int:
         cap = guarded_cap(self.guard, self.telemetry, cap)
         self._offered = copy
@@ -318,6 +323,14 @@ class AdaptivePolicy(RecordingPolicy):
             kind.choice, kind.cap = self.best_length(cap, kind), cap
             kind.stale = False
             probed, kind.probing = kind.probing, False
+            trial = None
+            if kind is not self.phrases and not probed:
+                trial = self.exploration(cap, kind)
+            if trial is not None and trial != kind.choice:
+                kind.stale = True  # decide again after the trial
+                if trial == 0:  # enough plain rounds to outvote their prior
+                    kind.plain_left = self.window // 2
+                return trial
             if kind.choice == 0:
                 if probed and self._counts(0, kind)[0] > kind.probe_hits:
                     kind.interval = self.probe_after  # a kept probe: look again soon
@@ -331,6 +344,10 @@ class AdaptivePolicy(RecordingPolicy):
                 kind.interval = self.probe_after
             return min(kind.choice, cap)
         if kind.choice == 0:  # the plain run is over: probe with one draft
+            if not self.drafting_can_pay(cap):  # as after a rejected probe
+                kind.interval = min(2 * kind.interval, self.probe_max)
+                kind.plain_left = kind.interval - 1
+                return 0
             kind.probing = True
             kind.probe_hits = self._counts(0, kind)[0]
             return 1
@@ -349,28 +366,10 @@ class AdaptivePolicy(RecordingPolicy):
 
     def observe(self, proposal: Proposal, round_stats: RoundStats) -> None:
         super().observe(proposal, round_stats)
-        n = round_stats.verified
-        seconds = round_stats.wall_time or (
-            round_stats.draft_time + round_stats.verify_time
-        )
-        steady, tokens = self.last_drafted, self.last_tokens
-        self.last_drafted = round_stats.drafted > 0
-        self.last_tokens = round_stats.accepted + 1
+        steady, self.last_drafted = self.last_drafted, round_stats.drafted > 0
+        self.costs.observe(round_stats, steady)
         if not self.last_drafted:
-            self.plain_costs.append(seconds)
             return
-        if steady:
-            # The first drafted round after the prompt or a plain run also
-            # feeds the drafter all the context since: not a steady cost.
-            self.drafted_costs.append(
-                (
-                    max(n, 1),
-                    seconds,
-                    round_stats.verify_time,
-                    tokens,
-                    round_stats.draft_time,
-                )
-            )
         kind = self._kind(round_stats.copy_offered, round_stats.phrases_offered)
-        kind.add(n, round_stats.accepted, self.decay)
+        kind.add(round_stats.verified, round_stats.accepted, self.decay)
         kind.stale = True

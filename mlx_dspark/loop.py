@@ -106,7 +106,12 @@ class DraftPolicy(Protocol):
 # plain round's token reaches the host (and before its ``observe``), so that a
 # following plain step can be queued on the lazy token; it must not sync. A
 # drafter that copies from the context needs that token to look the copy up,
-# so with copying the next plain step is queued once the token is known.
+# so with copying the next plain step is queued once the token is known,
+# unless the policy has a third optional method, ``plain_ahead(phrases) ->
+# bool``, that says (without syncing or changing its state) that the coming
+# round is plain whatever copy it is offered (``phrases``: a copy may come
+# from the drafter's phrase store): then its step is queued first, as without
+# copying, and the round is plain whatever ``round_cap`` says.
 
 
 @dataclass
@@ -234,6 +239,7 @@ def speculative_generate_step(
     produced, start = 1, prompt.size
     round_cap = getattr(policy, "round_cap", None)
     observe = getattr(policy, "observe", None)
+    plain_ahead = getattr(policy, "plain_ahead", None)
     no_proposal = Proposal(mx.zeros((1, 0), mx.int32), mx.zeros((1, 0, 1)))
     unseen = [context]  # target features the drafter has not ingested yet
     copying = drafter.config.context_copy_bias > 0
@@ -287,10 +293,17 @@ def speculative_generate_step(
             produced += 1
             start += 1
             offered, from_phrases = offers(copy), phrased
+            if copying and produced < max_tokens and plain_ahead is not None:
+                if plain_ahead(phrases is not None):  # whatever copy comes
+                    key, step_key = split(key)
+                    ahead = plain_step(target, cache, token, params, step_key)
+                    mx.async_eval([a for a in ahead if a is not None])
             if copying:
                 history.append(token.item())
             copy, phrased, cap = plan()
-            if cap == 0 and produced < max_tokens:
+            if ahead is not None:
+                cap = 0  # the policy said so before the copy was known
+            elif cap == 0 and produced < max_tokens:
                 key, step_key = split(key)
                 ahead = plain_step(target, cache, token, params, step_key)
                 mx.async_eval([a for a in ahead if a is not None])

@@ -5,6 +5,13 @@ drafter, mlx version) and cached as JSON in the user cache; ``refresh``
 re-measures. Identities are fingerprints of the models (config, tensor names,
 shapes, dtypes and a few weight values), so a profile is never reused for a
 different model, and no file path is needed.
+
+A measurement taken while other processes ran can contradict itself (a
+forward over 6 tokens slower than one over 9, a drafting pass dearer than
+verifying the whole block): :func:`contradiction` says so, and such a profile
+is measured again, cached or fresh; the two measurements are combined size by
+size (the faster; other load only ever adds time). One that still
+contradicts itself is kept, marked, and not measured again.
 """
 
 from __future__ import annotations
@@ -31,6 +38,10 @@ from .utils import cache_dir, write_text_atomic
 
 PROFILE_VERSION = 2
 DEFAULT_CONTEXTS = (64, 256)
+# A forward over more tokens does the same work and more. BLAS picks other
+# kernels at some sizes, so a longer one may come out a little faster, not
+# this many times faster.
+LONGER_FASTER = 1.5
 
 
 def _digest(parts: list) -> str:
@@ -212,6 +223,41 @@ def load_profile(
     return curve if curve.meta.get("key") == key and reaches(curve, n_max) else None
 
 
+def contradiction(curve: StepRateCurve) -> str | None:
+    """Why a measured profile cannot be this machine's costs, or None."""
+    sizes = curve.batch_sizes
+    times = [1.0 / s for s in curve.steps_per_second]
+    for i in range(len(sizes) - 1):
+        j = i + 1 + int(np.argmin(times[i + 1 :]))
+        if times[i] > LONGER_FASTER * times[j]:
+            return (
+                f"a forward over {sizes[i]} tokens measured {times[i] / times[j]:.1f}x "
+                f"slower than one over {sizes[j]}"
+            )
+    if curve.draft_seconds > times[-1]:
+        return (
+            f"a drafting pass measured {curve.draft_seconds / times[-1]:.1f}x dearer "
+            f"than a forward over {sizes[-1]} tokens"
+        )
+    return None
+
+
+def trusted(curve: StepRateCurve) -> bool:
+    """Whether a cached profile may be used as it is: it does not contradict
+    itself, or it did again when measured again."""
+    return "remeasured" in curve.meta or contradiction(curve) is None
+
+
+def fastest_of(first: StepRateCurve, second: StepRateCurve) -> StepRateCurve:
+    """Two measurements of one profile combined: at each size, and for
+    drafting, the faster (load from other processes only adds time)."""
+    rates = dict(zip(first.batch_sizes, first.steps_per_second, strict=True))
+    for size, rate in zip(second.batch_sizes, second.steps_per_second, strict=True):
+        rates[size] = max(rate, rates.get(size, 0.0))
+    draft = min(first.draft_seconds, second.draft_seconds)
+    return StepRateCurve(list(rates), list(rates.values()), draft, dict(first.meta))
+
+
 def reaches(curve: StepRateCurve, n_max: int) -> bool:
     """Whether a profile was measured as far as verifying ``n_max`` drafts."""
     return curve.batch_sizes[-1] >= n_max + 1
@@ -225,22 +271,41 @@ def get_profile(
     n_max: int | None = None,
     **measure_kwargs,
 ) -> StepRateCurve:
-    """``"auto"``: the cached profile, measured and cached when missing or
-    when it stops short of verifying ``n_max`` drafts (default: the drafter's
-    block); ``"refresh"``: always re-measure (and cache)."""
+    """``"auto"``: the cached profile, measured and cached when missing, when
+    it stops short of verifying ``n_max`` drafts (default: the drafter's
+    block) or when it contradicts itself and was not measured again yet;
+    ``"refresh"``: always re-measure (and cache). A measurement that
+    contradicts itself is taken again at once (see the module's notes)."""
     if profile not in ("auto", "refresh"):
         raise DSparkError(f"profile must be 'auto' or 'refresh', got {profile!r}.")
     n_max = drafter.block_size if n_max is None else n_max
-    if profile == "auto":
-        cached = load_profile(model, drafter, n_max)
-        if cached is not None:
-            return cached
     key = profile_key(model, drafter)
     path = profile_path(key)
     logger = logging.getLogger("mlx_dspark")
-    logger.info("Measuring this pair's cost profile on this machine into %s.", path)
+    cached = load_profile(model, drafter, n_max) if profile == "auto" else None
+    if cached is not None and trusted(cached):
+        return cached
+    if cached is not None:
+        logger.info(
+            "The cached cost profile %s contradicts itself (%s): measuring it again.",
+            path,
+            contradiction(cached),
+        )
+    else:
+        logger.info("Measuring this pair's cost profile on this machine into %s.", path)
     target = TargetAdapter(model, drafter.config.target_layer_ids)
     curve = measure_profile(target, drafter, n_max, progress=progress, **measure_kwargs)
+    reason = contradiction(curve)
+    if reason is not None:
+        logger.debug(
+            "The cost profile contradicts itself (%s): measuring again.", reason
+        )
+        again = measure_profile(target, drafter, n_max, **measure_kwargs)
+        curve = fastest_of(curve, again)
+        curve.meta["remeasured"] = reason
+        still = contradiction(curve)
+        if still is not None:
+            curve.meta["contradiction"] = still
     curve.meta["key"] = key
     try:
         write_text_atomic(path, curve.to_json())

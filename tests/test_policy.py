@@ -256,7 +256,9 @@ def test_a_later_generation_remembers_what_was_measured():
     assert fresh.best_length(7) == 0 and fresh.text.plain_left == 0
     assert fresh.text.interval == policy.text.interval > fresh.probe_after
     assert fresh.copies.interval == fresh.probe_after  # no copy was offered
-    assert list(fresh.plain_costs) == list(policy.plain_costs)
+    assert fresh.round_costs(7) == policy.round_costs(7)
+    play(fresh, 1, lambda n: 0)  # measures its own from there on
+    assert fresh.costs.rounds == policy.costs.rounds + 1
 
 
 def test_a_calibration_that_measured_poor_acceptance_means_plain_from_the_start(
@@ -341,7 +343,17 @@ def cache_profile(model, drafter, draft_share: float) -> None:
     curve.save(profile_path(key))
 
 
+def fake_loop_clock(monkeypatch) -> None:
+    """Each reading of the loop's clock advances it by 1 ms: a round's measured
+    cost depends on its kind (a drafted round 3 ms, a plain one 2 ms), not on
+    the machine's load, so the policy's choices are the same on every run."""
+    readings = itertools.count()
+    clock = SimpleNamespace(perf_counter=lambda: next(readings) * 1e-3)
+    monkeypatch.setattr(loop, "time", clock)
+
+
 def test_structured_pair_drafts_by_default(pair_factory, tmp_path, monkeypatch):
+    fake_loop_clock(monkeypatch)
     model, tokenizer, drafter, *_ = pair_factory(block_size=8)
     monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path))
     cache_profile(model, drafter, 0.1)
@@ -409,12 +421,7 @@ def test_greedy_identical_with_plain_rounds_mixed_in(pair_factory, pattern, bias
 def test_default_policy_with_copying_is_lossless_and_knows_the_copies(
     pair_factory, monkeypatch
 ):
-    # Each reading of the loop's clock advances it by 1 ms: a round's measured
-    # cost depends on its kind, not on the machine's load, so the policy's
-    # choices (how far copied rounds reach) are the same on every run.
-    readings = itertools.count()
-    clock = SimpleNamespace(perf_counter=lambda: next(readings) * 1e-3)
-    monkeypatch.setattr(loop, "time", clock)
+    fake_loop_clock(monkeypatch)  # how far copied rounds reach: the same every run
     model, tokenizer, drafter, *_ = pair_factory(block_size=8)
     offered, longest = [], 0
     for prompt in (
@@ -517,3 +524,122 @@ def test_copies_start_from_their_own_prior_not_the_calibrations():
     for _ in range(20):
         policy.observe(NO_PROPOSAL, RoundStats(9, 9, 9, copy_offered=True))
     assert min(policy.acceptance(9, policy.copies)) > 0.9
+
+
+class Scripted:
+    """Caps from a script (then full rounds), and a ``plain_ahead`` that
+    tells the truth about the next one."""
+
+    def __init__(self, script):
+        self.script = list(script)
+
+    def round_cap(self, cap, copy=False, phrases=False):
+        return min(cap, self.script.pop(0)) if self.script else cap
+
+    def plain_ahead(self, phrases=True):
+        return bool(self.script) and self.script[0] == 0
+
+    def draft_length(self, proposal, cap):
+        return cap
+
+
+PLAIN_RUNS = [0, 0, 0, 8, 0, 0, 8, 8, 0, 0, 0, 0, 8] * 6
+
+
+@pytest.mark.parametrize("bias", [0.0, 1e3], ids=["own", "copying"])
+def test_greedy_identical_with_plain_steps_queued_ahead(pair_factory, bias):
+    model, _, drafter, *_ = pair_factory(block_size=8)
+    target = TargetAdapter(model, drafter.config.target_layer_ids)
+    for prompt in ([1, 2, 3], [13, 5, 5, 21, 2, 17]):
+        with copy_bias(drafter, bias):
+            tokens = speculative_generate_step(
+                mx.array(prompt),
+                target,
+                drafter,
+                num_draft=drafter.block_size,
+                max_tokens=64,
+                policy=Scripted(PLAIN_RUNS),
+            )
+            tokens = [t for t, _ in tokens]
+        assert tokens == greedy_target(model, prompt, 64)
+
+
+def test_sampling_exact_with_plain_steps_queued_ahead(pair_factory):
+    model, _, drafter, *_ = pair_factory(
+        markov_head_type="vanilla", sharpness=0.6, block_size=4
+    )
+    params = CONFIGS[0]
+    joint = exact_joint(model, params)
+    with copy_bias(drafter, 1e3):
+        samples, _ = sample_first_three(
+            model, drafter, params, seeds=1500, policy=lambda: Scripted([0, 0])
+        )
+    stat, dof = chi_square(samples, joint, 1500)
+    assert dof >= 5
+    assert stat < chi_square_critical(dof), (stat, dof)
+
+
+def test_with_copying_a_plain_step_is_queued_before_the_lookup(
+    pair_factory, monkeypatch
+):
+    """Copying needs the token to look the next copy up; a policy that knows
+    the next round is plain anyway lets the loop queue that round's step
+    first, as mlx-lm's loop does, instead of leaving the device idle."""
+    model, _, drafter, *_ = pair_factory(block_size=8)
+    target = TargetAdapter(model, drafter.config.target_layer_ids)
+    events = []
+    step, lookup = loop.plain_step, loop.copy_for
+    monkeypatch.setattr(
+        loop, "plain_step", lambda *a: events.append("step") or step(*a)
+    )
+    monkeypatch.setattr(
+        loop, "copy_for", lambda *a: events.append("lookup") or lookup(*a)
+    )
+
+    def run(policy) -> str:
+        events.clear()
+        with copy_bias(drafter, 1e3):
+            list(
+                speculative_generate_step(
+                    mx.array([1, 2, 3]),
+                    target,
+                    drafter,
+                    num_draft=8,
+                    max_tokens=6,
+                    policy=policy,
+                )
+            )
+        return " ".join(events)
+
+    told = Scripted([0] * 5)
+    blind = Alternate((0,))
+    # The first step is queued in its own round; each later one, told, before
+    # the lookup that plans its round (blind, after it); no step after the last.
+    assert run(told) == "lookup step" + " step lookup" * 4 + " lookup"
+    assert run(blind) == "lookup step" + " lookup step" * 4 + " lookup"
+
+
+def test_the_default_policy_says_plain_ahead_only_when_it_is():
+    """Whenever ``plain_ahead`` is true, the next round is plain whatever it
+    is offered; on a target whose verify of k tokens costs k steps that is
+    nearly every round, copies and phrases offered or not."""
+    import random
+
+    from test_costs import curve_for, linear
+
+    rng = random.Random(0)
+    policy = AdaptivePolicy(profile=curve_for(linear))
+    ahead = 0
+    for _ in range(400):
+        said = policy.plain_ahead()
+        copy = rng.random() < 0.3
+        phrases = not copy and rng.random() < 0.3
+        n = policy.round_cap(7, copy=copy, phrases=phrases)
+        assert n == 0 or not said
+        ahead += said
+        seconds = (0.002, linear(n + 1)) if n else (0.0, linear(1))
+        kept = rng.randint(0, n)
+        policy.observe(
+            NO_PROPOSAL, RoundStats(n, n, kept, *seconds, 0.0, copy or phrases, phrases)
+        )
+    assert ahead >= 0.95 * 400

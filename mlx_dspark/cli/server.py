@@ -107,7 +107,7 @@ def _cli(
 ) -> None:
     """Serve /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics."""
     from ..loading import load
-    from ..profile import get_profile, load_profile
+    from ..profile import get_profile, load_profile, trusted
     from ..serving import BatchEngine, EngineConfig, ServerSettings, make_server
     from ..settings import build_settings
 
@@ -170,6 +170,8 @@ def _cli(
     prior = None
     if dspark_profile == "auto":
         prior = load_profile(loaded, drafter)
+        if prior is not None and not trusted(prior):
+            prior = None  # the engine measures every step size it runs
     elif dspark_profile == "refresh":
         prior = get_profile(loaded, drafter, "refresh")
     engine = BatchEngine(
