@@ -32,6 +32,7 @@ from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 from mlx_lm.sample_utils import make_sampler
 
 from mlx_dspark import stream_generate
+from mlx_dspark.default import default_pair
 from mlx_dspark.errors import DSparkError
 
 CHAT = [
@@ -91,6 +92,11 @@ def main() -> None:
         "--draft-model", default=None, help="another drafter for SmolLM2 (ablations)"
     )
     parser.add_argument(
+        "--model",
+        default=None,
+        help="another SmolLM2-135M-Instruct target, e.g. mlx_lm.convert -q of it",
+    )
+    parser.add_argument(
         "--acceptance",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -120,7 +126,15 @@ def main() -> None:
         parser.error("--temp must be >= 0.")
     if args.seeds < 1:
         parser.error("--seeds must be at least 1.")
-    model, tokenizer, drafter = mlx_dspark.load()
+    try:
+        if args.model is None:
+            model, tokenizer, drafter = mlx_dspark.load()
+        else:
+            model, tokenizer, drafter = mlx_dspark.load(
+                args.model, draft_model=default_pair()[1]
+            )
+    except DSparkError as error:
+        parser.error(str(error))
     if args.draft_model is not None:
         try:
             drafter = mlx_dspark.load_drafter(args.draft_model, model)
@@ -141,12 +155,13 @@ def main() -> None:
                 )
     if args.speed:
         for name, prompts in sets.items():
-            pair, alone = speed(
+            pair, alone, same = speed(
                 model, tokenizer, drafter, prompts, args.max_tokens, args.temp
             )
             print(
                 f"T={args.temp:g} {name:5s}: tok/s (incl. prefill) SmolLM2 alone "
                 f"{alone:.1f}, pair with no flags {pair:.1f}, ratio {pair / alone:.2f}"
+                f"; output identical to mlx-lm's on {same}/{len(prompts)} prompts"
             )
 
 
@@ -176,41 +191,44 @@ def acceptance(model, tokenizer, drafter, prompts, temp, args) -> list[int]:
 
 def speed(
     model, tokenizer, drafter, prompts, max_tokens: int, temp: float = 0.0
-) -> tuple[float, float]:
+) -> tuple[float, float, int]:
     """tok/s of the pair with no DSpark arguments and of mlx-lm alone, prompt
-    by prompt, interleaved; prompt i samples with seed i on both sides."""
+    by prompt, interleaved (prompt i samples with seed i on both sides), and
+    on how many prompts the two outputs are the same tokens."""
     pair_tokens = pair_time = base_tokens = base_time = 0.0
+    same = 0
     for seed, prompt in enumerate(prompts):
         tic = time.perf_counter()
-        pair_tokens += len(
-            list(
-                stream_generate(
-                    model,
-                    tokenizer,
-                    drafter,
-                    prompt,
-                    max_tokens=max_tokens,
-                    temperature=temp,
-                    seed=seed,
-                )
+        ours = [
+            r.token
+            for r in stream_generate(
+                model,
+                tokenizer,
+                drafter,
+                prompt,
+                max_tokens=max_tokens,
+                temperature=temp,
+                seed=seed,
             )
-        )
+        ]
         pair_time += time.perf_counter() - tic
         mx.random.seed(seed)
         tic = time.perf_counter()
-        base_tokens += len(
-            list(
-                mlx_lm_stream_generate(
-                    model,
-                    tokenizer,
-                    prompt,
-                    max_tokens=max_tokens,
-                    sampler=make_sampler(temp),
-                )
+        theirs = [
+            r.token
+            for r in mlx_lm_stream_generate(
+                model,
+                tokenizer,
+                prompt,
+                max_tokens=max_tokens,
+                sampler=make_sampler(temp),
             )
-        )
+        ]
         base_time += time.perf_counter() - tic
-    return pair_tokens / pair_time, base_tokens / base_time
+        pair_tokens += len(ours)
+        base_tokens += len(theirs)
+        same += ours == theirs
+    return pair_tokens / pair_time, base_tokens / base_time, same
 
 
 if __name__ == "__main__":
