@@ -1,18 +1,22 @@
-"""Convert llama-architecture GGUF files into mlx-lm model directories.
+"""Convert GGUF files into mlx-lm model directories.
 
-The header (metadata and tensor table) is parsed here with bounds checks so that
-truncated or corrupt files are refused before ``mx.load`` touches them; the
-tensor data itself is read by ``mx.load``, which returns Q4_0, Q4_1 and Q8_0
-tensors as MLX affine-quantized (weight, scales, biases) triples with group
-size 32.
+llama.cpp's ``gguf`` package reads the file and dequantizes every tensor type it
+knows, K-quants and I-quants included. The parameters to fill come from the
+mlx-lm model class that the converted config selects, and their GGUF names
+from the package's own tensor name map, so a missing, misshapen or left-over
+tensor is refused before anything is written.
+
+Q4_0, Q4_1 and Q8_0 blocks are MLX affine groups of 32 as they stand (a scale,
+a bias and 4 or 8-bit codes); those tensors are kept as they are with ``-q`` at
+the same bits, and dequantized through MLX otherwise, as MLX's own GGUF reader
+did, so earlier conversions of such files come out bit for bit the same.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
-import mmap
-import struct
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,103 +28,37 @@ import numpy as np
 from mlx_dspark.errors import DSparkError
 
 from .common import atomic_output_dir, check_output_dir
+from .gguf_tokenizer import tokenizer_files
 
-GGML_TYPE_NAMES = {
-    0: "F32",
-    1: "F16",
-    2: "Q4_0",
-    3: "Q4_1",
-    6: "Q5_0",
-    7: "Q5_1",
-    8: "Q8_0",
-    9: "Q8_1",
-    10: "Q2_K",
-    11: "Q3_K",
-    12: "Q4_K",
-    13: "Q5_K",
-    14: "Q6_K",
-    15: "Q8_K",
-    16: "IQ2_XXS",
-    17: "IQ2_XS",
-    18: "IQ3_XXS",
-    19: "IQ1_S",
-    20: "IQ4_NL",
-    21: "IQ3_S",
-    22: "IQ2_S",
-    23: "IQ4_XS",
-    24: "I8",
-    25: "I16",
-    26: "I32",
-    27: "I64",
-    28: "F64",
-    29: "IQ1_M",
-    30: "BF16",
-    34: "TQ1_0",
-    35: "TQ2_0",
-    39: "MXFP4",
+# GGUF general.architecture -> mlx-lm model_type
+ARCHITECTURES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3": "gemma3_text",
 }
-
-# Supported tensor types: (elements per block, bytes per block).
-BLOCK_LAYOUT = {
-    "F32": (1, 4),
-    "F16": (1, 2),
-    "Q4_0": (32, 18),
-    "Q4_1": (32, 20),
-    "Q8_0": (32, 34),
-}
-QUANT_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
-GROUP_SIZE = 32
-
-TOKEN_TYPE_CONTROL = 3
-TOKEN_TYPE_USER_DEFINED = 4
-
-# tokenizer.ggml.pre -> (split regex or None for GPT-2's, split digits one by one)
-_PRE_TOKENIZERS: dict[str, tuple[str | None, bool]] = {
-    "default": (None, False),
-    "gpt2": (None, False),
-    "smollm": (None, True),
-    "starcoder": (None, True),
-    "refact": (None, True),
-    "llama-bpe": (
-        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-        r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-        False,
-    ),
-    "qwen2": (
-        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-        r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-        False,
-    ),
-}
-
-_LAYER_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-
-
-@dataclass
-class TensorInfo:
-    name: str
-    shape: tuple[int, ...]  # MLX / numpy order: the last axis is contiguous
-    type_name: str
-    offset: int  # absolute offset of the data in the file
-    nbytes: int
+# GGUF types whose blocks are MLX affine groups of GGUF_GROUP_SIZE: bits
+AFFINE_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
+GGUF_GROUP_SIZE = 32
+FLOAT_DTYPES = ("float16", "bfloat16", "float32")
+QUANT_BITS = (2, 3, 4, 6, 8)
+# llama.cpp's converter adds one to Gemma's RMSNorm weights; mlx-lm's
+# gemma3_text applies ``1 + weight`` itself, as the Hugging Face checkpoints do.
+NORM_SHIFT = {"gemma3": 1.0}
 
 
 @dataclass
 class GGUFFile:
     path: Path
-    version: int
     metadata: dict[str, Any]
-    tensors: dict[str, TensorInfo]
+    tensors: dict[str, Any]  # name -> gguf.ReaderTensor
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """numpy order: the last axis is contiguous."""
+        return tuple(int(d) for d in reversed(self.tensors[name].shape.tolist()))
+
+    def type_name(self, name: str) -> str:
+        return self.tensors[name].tensor_type.name
 
 
 @dataclass
@@ -129,9 +67,11 @@ class TensorPlan:
     dst: str  # mlx-lm parameter name
     type_name: str
     shape: tuple[int, ...]
-    bits: int | None  # kept quantized with these bits, else written as float
-    out_dtype: str  # "float16" / "float32" for float outputs
-    unpermute_heads: int | None  # Q/K: heads whose rows to un-interleave
+    bits: int | None  # written quantized with these bits, else as float
+    group_size: int | None
+    keep_blocks: bool  # the GGUF's own Q4_0/Q4_1/Q8_0 groups are written
+    unpermute_heads: int | None  # llama Q/K: heads whose rows to un-interleave
+    norm_shift: float  # subtracted from the GGUF values
     out_bytes: int
 
 
@@ -139,6 +79,7 @@ class TensorPlan:
 class ConversionPlan:
     gguf: GGUFFile
     config: dict[str, Any]
+    dtype: str
     tensors: list[TensorPlan] = field(default_factory=list)
 
     @property
@@ -149,161 +90,75 @@ class ConversionPlan:
 # --------------------------------------------------------------------- reading
 
 
-class _Reader:
-    def __init__(self, buf: Any):
-        self.buf = buf
-        self.pos = 0
+def _field_value(reader_field: Any) -> Any:
+    from gguf import GGUFValueType
 
-    def take(self, n: int) -> bytes:
-        if n < 0 or self.pos + n > len(self.buf):
-            raise _Truncated
-        out = self.buf[self.pos : self.pos + n]
-        self.pos += n
-        return out
-
-    def unpack(self, fmt: str) -> Any:
-        size = struct.calcsize(fmt)
-        if self.pos + size > len(self.buf):
-            raise _Truncated
-        values = struct.unpack_from(fmt, self.buf, self.pos)
-        self.pos += size
-        return values[0] if len(values) == 1 else values
-
-    def string(self) -> str:
-        return self.take(self.unpack("<Q")).decode("utf-8")
-
-
-class _Truncated(Exception):
-    pass
-
-
-# GGUF metadata value types: id -> struct format (8 = string, 9 = array)
-_SCALAR_FORMATS = {
-    0: "<B",
-    1: "<b",
-    2: "<H",
-    3: "<h",
-    4: "<I",
-    5: "<i",
-    6: "<f",
-    7: "<?",
-    10: "<Q",
-    11: "<q",
-    12: "<d",
-}
-
-
-def _read_value(r: _Reader, vtype: int) -> Any:
-    if vtype == 6:  # float32: keep its shortest decimal form (1e-05, not 9.99e-06)
-        return float(str(np.float32(r.unpack("<f"))))
-    if vtype in _SCALAR_FORMATS:
-        return r.unpack(_SCALAR_FORMATS[vtype])
-    if vtype == 8:
-        return r.string()
-    if vtype == 9:
-        item_type, count = r.unpack("<IQ")
-        if item_type == 8:
-            return [r.string() for _ in range(count)]
-        if item_type in _SCALAR_FORMATS:
-            fmt = _SCALAR_FORMATS[item_type]
-            size = struct.calcsize(fmt)
-            data = r.take(count * size)
-            return np.frombuffer(data, dtype=np.dtype(fmt)).copy()
-        raise DSparkError("the GGUF file has a nested or unknown metadata array type.")
-    raise DSparkError(f"the GGUF file has an unknown metadata value type {vtype}.")
+    kind = reader_field.types[0]
+    if kind == GGUFValueType.ARRAY and reader_field.types[-1] != GGUFValueType.STRING:
+        if len(reader_field.types) > 2:
+            return None  # nested arrays: no key we read has them
+        return np.asarray(reader_field.contents())
+    value = reader_field.contents()
+    if kind == GGUFValueType.FLOAT32:  # keep its shortest decimal form (1e-06)
+        value = float(str(np.float32(value)))
+    return value
 
 
 def read_gguf(path: str | Path) -> GGUFFile:
-    """Parse and validate a GGUF header: metadata and the tensor table.
-
-    Raises DSparkError for a missing, truncated or corrupt file, or for tensor
-    types other than F32, F16, Q4_0, Q4_1 and Q8_0.
-    """
+    """Open a GGUF file with the ``gguf`` package; a missing, truncated or
+    corrupt file raises DSparkError with one sentence."""
     path = Path(path)
     if not path.is_file():
         raise DSparkError(f"GGUF file {path} does not exist.")
+    if path.stat().st_size == 0:
+        raise DSparkError(f"{path} is empty, not a GGUF file.")
+    from gguf import GGUFReader
+
     try:
-        with open(path, "rb") as f:
-            size = f.seek(0, 2)
-            if size == 0:
-                raise DSparkError(f"{path} is empty, not a GGUF file.")
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-                return _parse(path, buf, size)
-    except _Truncated:
-        raise DSparkError(
-            f"{path} is truncated or corrupt (header ends early)."
-        ) from None
-    except UnicodeDecodeError:
-        raise DSparkError(f"{path} is corrupt (a string is not valid UTF-8).") from None
+        reader = GGUFReader(path)
+        metadata = {
+            name: _field_value(f)
+            for name, f in reader.fields.items()
+            if not name.startswith("GGUF.")
+        }
     except OSError as error:
         raise DSparkError(f"cannot read {path}: {error.strerror}.") from None
-
-
-def _parse(path: Path, buf: Any, size: int) -> GGUFFile:
-    r = _Reader(buf)
-    if r.take(4) != b"GGUF":
-        raise DSparkError(f"{path} is not a GGUF file (bad magic number).")
-    version = r.unpack("<I")
-    if version not in (2, 3):
-        raise DSparkError(
-            f"{path} has GGUF version {version}; only 2 and 3 are supported."
-        )
-    n_tensors, n_kv = r.unpack("<QQ")
-    if n_tensors > size or n_kv > size:
-        raise DSparkError(f"{path} is corrupt (impossible tensor or key count).")
-
-    metadata: dict[str, Any] = {}
-    for _ in range(n_kv):
-        key = r.string()
-        metadata[key] = _read_value(r, r.unpack("<I"))
-
-    raw = []
-    for _ in range(n_tensors):
-        name = r.string()
-        ndim = r.unpack("<I")
-        if not 1 <= ndim <= 4:
+    except (ValueError, IndexError, KeyError, OverflowError, TypeError) as error:
+        if "magic" in str(error):
             raise DSparkError(
-                f"{path} is corrupt (tensor {name} has {ndim} dimensions)."
-            )
-        dims = r.unpack(f"<{ndim}Q") if ndim > 1 else (r.unpack("<Q"),)
-        type_id, offset = r.unpack("<IQ")
-        raw.append((name, tuple(reversed(dims)), type_id, offset))
+                f"{path} is not a GGUF file (bad magic number)."
+            ) from None
+        if "version" in str(error):
+            raise DSparkError(
+                f"{path} has a GGUF version this reader cannot handle."
+            ) from None
+        raise DSparkError(f"{path} is truncated or corrupt.") from None
+    tensors = {t.name: t for t in reader.tensors}
+    for t in reader.tensors:
+        if t.data.nbytes != t.n_bytes:
+            raise DSparkError(f"{path} is truncated or corrupt.")
+    return GGUFFile(path, metadata, tensors)
 
-    alignment = int(metadata.get("general.alignment", 32))
-    if alignment <= 0 or alignment & (alignment - 1):
-        raise DSparkError(f"{path} is corrupt (alignment {alignment}).")
-    data_start = -(-r.pos // alignment) * alignment
 
-    tensors: dict[str, TensorInfo] = {}
-    for name, shape, type_id, offset in raw:
-        type_name = GGML_TYPE_NAMES.get(type_id, f"type {type_id}")
-        if type_name not in BLOCK_LAYOUT:
-            raise DSparkError(
-                f"tensor {name} has GGUF type {type_name}, which is not supported "
-                "(supported: F32, F16, Q4_0, Q4_1, Q8_0)."
-            )
-        block, block_bytes = BLOCK_LAYOUT[type_name]
-        if shape[-1] % block:
-            raise DSparkError(
-                f"{path} is corrupt (tensor {name} has {shape[-1]} columns, "
-                f"not a multiple of the {type_name} block size {block})."
-            )
-        nbytes = int(np.prod(shape, dtype=np.int64)) // block * block_bytes
-        start = data_start + offset
-        if offset % alignment or start + nbytes > size:
-            raise DSparkError(
-                f"{path} is truncated or corrupt (tensor {name} lies outside the file)."
-            )
-        if name in tensors:
-            raise DSparkError(f"{path} is corrupt (tensor {name} appears twice).")
-        tensors[name] = TensorInfo(name, shape, type_name, start, nbytes)
-    return GGUFFile(path, version, metadata, tensors)
+def dequantizable(type_name: str) -> bool:
+    """Whether the ``gguf`` package can turn this tensor type into floats."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    qtype = GGMLQuantizationType[type_name]
+    block_bytes = GGML_QUANT_SIZES[qtype][1]
+    try:
+        dequantize(np.zeros((1, block_bytes), np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------- config
 
 
 def _meta(gguf: GGUFFile, key: str, default: Any = ..., kind: type = int) -> Any:
+    key = key.format(arch=gguf.metadata.get("general.architecture"))
     if key not in gguf.metadata:
         if default is ...:
             raise DSparkError(f"the GGUF metadata has no {key} entry.")
@@ -317,25 +172,47 @@ def _meta(gguf: GGUFFile, key: str, default: Any = ..., kind: type = int) -> Any
     return kind(value)
 
 
-def llama_config(gguf: GGUFFile) -> dict[str, Any]:
-    """The mlx-lm ``config.json`` (without quantization) for a llama GGUF file."""
-    arch = gguf.metadata.get("general.architecture")
-    if arch != "llama":
-        raise DSparkError(
-            f"GGUF architecture {arch!r} is not supported; only llama can be converted."
-        )
-    if _meta(gguf, "llama.expert_count", 0) > 0:
-        raise DSparkError("mixture-of-experts llama GGUF files are not supported.")
+def _sliding_window_pattern(gguf: GGUFFile, layers: int) -> int:
+    from gguf import Keys
 
-    hidden = _meta(gguf, "llama.embedding_length")
-    n_heads = _meta(gguf, "llama.attention.head_count")
-    n_kv = _meta(gguf, "llama.attention.head_count_kv", n_heads)
+    key = Keys.Attention.SLIDING_WINDOW_PATTERN.format(arch="gemma3")
+    value = gguf.metadata.get(key, 6)  # llama.cpp's default for gemma3
+    if isinstance(value, np.ndarray):  # one flag per layer: sliding or not
+        full = np.flatnonzero(~value.astype(bool))
+        pattern = int(full[0]) + 1 if len(full) else layers + 1
+        if len(value) != layers or any(
+            bool(s) != ((i + 1) % pattern != 0) for i, s in enumerate(value)
+        ):
+            raise DSparkError(
+                "GGUF gemma3 sliding-window layers do not repeat with one period, "
+                "which mlx-lm's gemma3_text cannot express."
+            )
+        return pattern
+    return int(value)
+
+
+def model_config(gguf: GGUFFile) -> dict[str, Any]:
+    """The mlx-lm ``config.json`` (without quantization) for a GGUF file."""
+    from gguf import Keys
+
+    arch = gguf.metadata.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise DSparkError(
+            f"GGUF architecture {arch!r} is not supported "
+            f"(supported: {', '.join(ARCHITECTURES)})."
+        )
+    if _meta(gguf, Keys.LLM.EXPERT_COUNT, 0) > 0:
+        raise DSparkError("mixture-of-experts GGUF files are not supported.")
+    hidden = _meta(gguf, Keys.LLM.EMBEDDING_LENGTH)
+    layers = _meta(gguf, Keys.LLM.BLOCK_COUNT)
+    n_heads = _meta(gguf, Keys.Attention.HEAD_COUNT)
+    n_kv = _meta(gguf, Keys.Attention.HEAD_COUNT_KV, n_heads)
     if n_heads <= 0 or n_kv <= 0 or n_heads % n_kv:
         raise DSparkError(
             f"GGUF head counts {n_heads} / {n_kv} (query / key-value) are invalid."
         )
-    head_dim = _meta(gguf, "llama.attention.key_length", hidden // n_heads)
-    if _meta(gguf, "llama.attention.value_length", head_dim) != head_dim:
+    head_dim = _meta(gguf, Keys.Attention.KEY_LENGTH, hidden // n_heads)
+    if _meta(gguf, Keys.Attention.VALUE_LENGTH, head_dim) != head_dim:
         raise DSparkError(
             "GGUF files with different key and value head sizes are not supported."
         )
@@ -343,163 +220,191 @@ def llama_config(gguf: GGUFFile) -> dict[str, Any]:
         raise DSparkError(
             f"GGUF head size {head_dim} is odd, which RoPE cannot rotate."
         )
-    rope_dim = _meta(gguf, "llama.rope.dimension_count", head_dim)
+    rope_dim = _meta(gguf, Keys.Rope.DIMENSION_COUNT, head_dim)
     if rope_dim != head_dim:
         raise DSparkError(
             f"partial RoPE ({rope_dim} of {head_dim} head dimensions) is not supported."
         )
-    embed = gguf.tensors.get("token_embd.weight")
-    if embed is None:
+    if arch == "qwen2" and head_dim * n_heads != hidden:
+        raise DSparkError(
+            f"a qwen2 GGUF head size {head_dim} other than hidden / heads "
+            f"({hidden // n_heads}) is not supported by mlx-lm's qwen2."
+        )
+    if "token_embd.weight" not in gguf.tensors:
         raise DSparkError("the GGUF file has no token_embd.weight tensor.")
 
     config: dict[str, Any] = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+        "model_type": ARCHITECTURES[arch],
         "hidden_size": hidden,
-        "num_hidden_layers": _meta(gguf, "llama.block_count"),
-        "intermediate_size": _meta(gguf, "llama.feed_forward_length"),
+        "num_hidden_layers": layers,
+        "intermediate_size": _meta(gguf, Keys.LLM.FEED_FORWARD_LENGTH),
         "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv,
         "head_dim": head_dim,
-        "rms_norm_eps": _meta(
-            gguf, "llama.attention.layer_norm_rms_epsilon", kind=float
+        "rms_norm_eps": _meta(gguf, Keys.Attention.LAYERNORM_RMS_EPS, kind=float),
+        "rope_theta": _meta(
+            gguf, Keys.Rope.FREQ_BASE, 1e6 if arch == "gemma3" else 1e4, kind=float
         ),
-        "rope_theta": _meta(gguf, "llama.rope.freq_base", 10000.0, kind=float),
-        "rope_traditional": False,
-        "vocab_size": _meta(gguf, "llama.vocab_size", embed.shape[0]),
+        "vocab_size": gguf.shape("token_embd.weight")[0],
         "tie_word_embeddings": "output.weight" not in gguf.tensors,
-        "attention_bias": False,
-        "mlp_bias": False,
+        "max_position_embeddings": _meta(gguf, Keys.LLM.CONTEXT_LENGTH, 32768),
     }
-    if "llama.context_length" in gguf.metadata:
-        config["max_position_embeddings"] = _meta(gguf, "llama.context_length")
-    scaling = _meta(gguf, "llama.rope.scaling.type", "none", kind=str)
+    scaling = _meta(gguf, Keys.Rope.SCALING_TYPE, "none", kind=str)
     if scaling == "linear":
-        factor = _meta(gguf, "llama.rope.scaling.factor", kind=float)
+        factor = _meta(gguf, Keys.Rope.SCALING_FACTOR, kind=float)
         config["rope_scaling"] = {"type": "linear", "factor": factor}
     elif scaling != "none":
         raise DSparkError(f"GGUF RoPE scaling {scaling!r} is not supported.")
-    for key, name in (("bos", "bos_token_id"), ("eos", "eos_token_id")):
-        if f"tokenizer.ggml.{key}_token_id" in gguf.metadata:
-            config[name] = _meta(gguf, f"tokenizer.ggml.{key}_token_id")
+    if arch == "llama":
+        config |= {
+            "attention_bias": False,
+            "mlp_bias": False,
+            "rope_traditional": False,
+        }
+    if arch == "gemma3":
+        config |= {
+            "sliding_window": _meta(gguf, Keys.Attention.SLIDING_WINDOW),
+            "sliding_window_pattern": _sliding_window_pattern(gguf, layers),
+            "rope_local_base_freq": _meta(
+                gguf, Keys.Rope.FREQ_BASE_SWA, 1e4, kind=float
+            ),
+            # llama.cpp scales queries by head_dim ** -0.5, except for the 62-layer
+            # 27B model, whose Hugging Face config says hidden / heads.
+            "query_pre_attn_scalar": hidden // n_heads if layers == 62 else head_dim,
+        }
+    for key, name in (
+        (Keys.Tokenizer.BOS_ID, "bos_token_id"),
+        (Keys.Tokenizer.EOS_ID, "eos_token_id"),
+    ):
+        if key in gguf.metadata:
+            config[name] = _meta(gguf, key)
+    # Chat models end a turn with an end-of-turn (or -message) token that
+    # llama.cpp also stops at; mlx-lm takes a list of ids.
+    stops = [config.get("eos_token_id")]
+    stops += [
+        _meta(gguf, k, None) for k in (Keys.Tokenizer.EOT_ID, Keys.Tokenizer.EOM_ID)
+    ]
+    stops = list(dict.fromkeys(s for s in stops if s is not None))
+    if len(stops) > 1:
+        config["eos_token_id"] = stops
     return config
+
+
+def mlx_parameter_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every parameter of the mlx-lm model ``config`` selects
+    (built lazily: no weights are computed)."""
+    from mlx.utils import tree_flatten
+
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    model = module.Model(module.ModelArgs.from_dict(config))
+    shapes = {name: tuple(p.shape) for name, p in tree_flatten(model.parameters())}
+    if config["tie_word_embeddings"]:
+        shapes.pop("lm_head.weight", None)
+    return shapes
 
 
 # ------------------------------------------------------------------------ plan
 
 
-def _expected_tensors(config: dict[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
-    d = config["hidden_size"]
-    q = config["num_attention_heads"] * config["head_dim"]
-    kv = config["num_key_value_heads"] * config["head_dim"]
-    ff = config["intermediate_size"]
-    vocab = config["vocab_size"]
-    layer_shapes = {
-        "attn_norm": (d,),
-        "attn_q": (q, d),
-        "attn_k": (kv, d),
-        "attn_v": (kv, d),
-        "attn_output": (d, q),
-        "ffn_norm": (d,),
-        "ffn_gate": (ff, d),
-        "ffn_up": (ff, d),
-        "ffn_down": (d, ff),
-    }
-    expected = {
-        "token_embd.weight": ("model.embed_tokens.weight", (vocab, d)),
-        "output_norm.weight": ("model.norm.weight", (d,)),
-    }
-    if not config["tie_word_embeddings"]:
-        expected["output.weight"] = ("lm_head.weight", (vocab, d))
-    for i in range(config["num_hidden_layers"]):
-        for src, dst in _LAYER_TENSORS.items():
-            expected[f"blk.{i}.{src}.weight"] = (
-                f"model.layers.{i}.{dst}.weight",
-                layer_shapes[src],
-            )
-    return expected
-
-
-def _out_bytes(shape: tuple[int, ...], bits: int | None, dtype: str) -> int:
+def _out_bytes(
+    shape: tuple[int, ...], bits: int | None, group: int | None, dtype: str
+) -> int:
     n = int(np.prod(shape, dtype=np.int64))
-    if bits is not None:
-        return n * bits // 8 + 2 * (n // GROUP_SIZE) * 2
-    return n * (4 if dtype == "float32" else 2)
-
-
-FLOAT_DTYPES = ("float16", "bfloat16", "float32")
+    width = 4 if dtype == "float32" else 2
+    if bits is not None and group is not None:
+        return n * bits // 8 + 2 * (n // group) * width
+    return n * width
 
 
 def plan_conversion(
-    path: str | Path, dequantize: bool = False, dtype: str | None = None
+    path: str | Path,
+    *,
+    dtype: str = "float16",
+    bits: int | None = None,
+    group_size: int = 64,
 ) -> ConversionPlan:
-    """Validate a llama GGUF file and describe what converting it will write.
+    """Validate a GGUF file and describe what converting it will write: floats
+    of ``dtype``, or with ``bits`` MLX affine-quantized linears and embeddings."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
 
-    Q4_0/Q4_1/Q8_0 tensors stay quantized unless ``dequantize``; float outputs
-    keep their GGUF type (dequantized ones become float16) unless ``dtype``.
-    """
-    if dtype is not None and dtype not in FLOAT_DTYPES:
+    if dtype not in FLOAT_DTYPES:
         raise DSparkError(f"--dtype {dtype} is not one of {', '.join(FLOAT_DTYPES)}.")
+    if bits is not None and bits not in QUANT_BITS:
+        raise DSparkError(f"--q-bits {bits} is not one of {QUANT_BITS}.")
     gguf = read_gguf(path)
-    config = llama_config(gguf)
-    expected = _expected_tensors(config)
-
-    if "rope_freqs.weight" in gguf.tensors:
-        raise DSparkError(
-            "GGUF files with rope_freqs (llama 3.1 RoPE scaling) are not supported."
-        )
-    for name in gguf.tensors:
-        if name not in expected:
-            raise DSparkError(
-                f"the GGUF file has an unexpected tensor {name} for a llama model."
-            )
-
-    plan = ConversionPlan(gguf, config)
-    quant_bits: dict[str, int] = {}
+    config = model_config(gguf)
+    arch = gguf.metadata["general.architecture"]
+    arch_id = next(a for a, name in MODEL_ARCH_NAMES.items() if name == arch)
+    names = get_tensor_name_map(arch_id, config["num_hidden_layers"])
     heads = {
         "attn_q": config["num_attention_heads"],
         "attn_k": config["num_key_value_heads"],
     }
-    for src, (dst, shape) in expected.items():
-        info = gguf.tensors.get(src)
-        if info is None:
-            raise DSparkError(f"the GGUF file is missing tensor {src}.")
-        if info.shape != shape:
+
+    plan = ConversionPlan(gguf, config, dtype)
+    used = set()
+    for dst, shape in mlx_parameter_shapes(config).items():
+        src = names.get_name(dst, try_suffixes=(".weight", ".bias"))
+        if src is None or src not in gguf.tensors:
+            raise DSparkError(f"the GGUF file is missing tensor {src or dst}.")
+        used.add(src)
+        if gguf.shape(src) != shape:
             raise DSparkError(
-                f"tensor {src} has shape {list(info.shape)}, expected {list(shape)} "
-                "from the GGUF metadata."
+                f"tensor {src} has shape {list(gguf.shape(src))}, expected "
+                f"{list(shape)} from the GGUF metadata."
             )
-        bits = QUANT_BITS.get(info.type_name)
-        if bits is not None and (dequantize or len(shape) != 2):
-            bits = None
-        out_dtype = dtype or ("float32" if info.type_name == "F32" else "float16")
-        if bits is not None:
-            quant_bits[dst.removesuffix(".weight")] = bits
+        type_name = gguf.type_name(src)
+        if not dequantizable(type_name):
+            raise DSparkError(
+                f"tensor {src} has GGUF type {type_name}, which the gguf package "
+                "cannot dequantize."
+            )
+        quantize = bits is not None and len(shape) == 2 and dst.endswith(".weight")
+        keep = (
+            quantize
+            and AFFINE_TYPES.get(type_name) == bits
+            and dtype != "bfloat16"  # its scales are float16
+        )
+        group = GGUF_GROUP_SIZE if keep else group_size
+        if quantize and shape[-1] % group:
+            quantize = keep = False
         kind = src.split(".")[-2]
+        norm_shift = NORM_SHIFT.get(arch, 0.0) if kind.endswith("norm") else 0.0
         plan.tensors.append(
             TensorPlan(
                 src=src,
                 dst=dst,
-                type_name=info.type_name,
+                type_name=type_name,
                 shape=shape,
-                bits=bits,
-                out_dtype=out_dtype,
-                unpermute_heads=heads.get(kind),
-                out_bytes=_out_bytes(shape, bits, out_dtype),
+                bits=bits if quantize else None,
+                group_size=group if quantize else None,
+                keep_blocks=keep,
+                unpermute_heads=heads.get(kind) if arch == "llama" else None,
+                norm_shift=norm_shift,
+                out_bytes=_out_bytes(shape, bits if quantize else None, group, dtype),
             )
         )
-    if quant_bits:
-        default = Counter(quant_bits.values()).most_common(1)[0][0]
+    for name in gguf.tensors:
+        if name == "rope_freqs.weight":
+            raise DSparkError(
+                "GGUF files with rope_freqs (llama 3.1 RoPE scaling) are not supported."
+            )
+        if name not in used:
+            raise DSparkError(
+                f"the GGUF file has an unexpected tensor {name} for a {arch} model."
+            )
+    if bits is not None:
         quantization: dict[str, Any] = {
-            "group_size": GROUP_SIZE,
-            "bits": default,
+            "group_size": group_size,
+            "bits": bits,
             "mode": "affine",
         }
-        for module, bits in quant_bits.items():
-            if bits != default:
+        for t in plan.tensors:
+            if t.bits is not None and t.group_size != group_size:
+                module = t.dst.removesuffix(".weight")
                 quantization[module] = {
-                    "group_size": GROUP_SIZE,
-                    "bits": bits,
+                    "group_size": t.group_size,
+                    "bits": t.bits,
                     "mode": "affine",
                 }
         config["quantization"] = quantization
@@ -510,17 +415,21 @@ def describe_plan(plan: ConversionPlan) -> str:
     """A human-readable listing of a conversion plan (for ``--dry-run``)."""
     c = plan.config
     lines = [
-        f"GGUF {plan.gguf.path} (version {plan.gguf.version}): llama, "
+        f"GGUF {plan.gguf.path}: {c['model_type']}, "
         f"{c['num_hidden_layers']} layers, hidden {c['hidden_size']}, "
         f"{c['num_attention_heads']}/{c['num_key_value_heads']} heads, "
         f"vocab {c['vocab_size']}, tied embeddings: {c['tie_word_embeddings']}",
     ]
     for t in plan.tensors:
-        out = f"{t.bits}-bit affine g{GROUP_SIZE}" if t.bits else t.out_dtype
+        out = f"{t.bits}-bit affine g{t.group_size}" if t.bits else plan.dtype
+        if t.keep_blocks:
+            out += ", GGUF blocks kept"
         note = "  (Q/K rows un-permuted)" if t.unpermute_heads else ""
+        if t.norm_shift:
+            note += f"  (minus {t.norm_shift:g})"
         shape = "x".join(map(str, t.shape))
         lines.append(
-            f"  {t.src:<28} {t.type_name:<5} {shape:<12} -> {t.dst} [{out}]{note}"
+            f"  {t.src:<28} {t.type_name:<7} {shape:<12} -> {t.dst} [{out}]{note}"
         )
     types = Counter(t.type_name for t in plan.tensors)
     summary = ", ".join(f"{n} {k}" for k, n in sorted(types.items()))
@@ -529,142 +438,6 @@ def describe_plan(plan: ConversionPlan) -> str:
         f"estimated output size {plan.total_bytes / 2**20:.1f} MiB"
     )
     return "\n".join(lines)
-
-
-# ------------------------------------------------------------------- tokenizer
-
-
-def _pre_tokenizer(pre: str) -> Any:
-    from tokenizers import Regex, pre_tokenizers
-
-    regex, digits = _PRE_TOKENIZERS[pre]
-    steps = []
-    if digits:
-        steps.append(pre_tokenizers.Digits(individual_digits=True))
-    if regex is not None:
-        steps.append(pre_tokenizers.Split(Regex(regex), behavior="isolated"))
-    steps.append(
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=regex is None)
-    )
-    return steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
-
-
-def tokenizer_files(gguf: GGUFFile) -> dict[str, str]:
-    """Build tokenizer.json, tokenizer_config.json and special_tokens_map.json
-    (file name -> text) from a GGUF byte-level BPE vocabulary."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
-
-    meta = gguf.metadata
-    kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise DSparkError(
-            f"GGUF tokenizer model {kind!r} is not supported; only 'gpt2' "
-            "(byte-level BPE) vocabularies can be converted."
-        )
-    tokens = meta.get("tokenizer.ggml.tokens")
-    merges = meta.get("tokenizer.ggml.merges")
-    if not isinstance(tokens, list) or not tokens:
-        raise DSparkError("the GGUF metadata has no tokenizer.ggml.tokens list.")
-    if not isinstance(merges, list):
-        raise DSparkError("the GGUF metadata has no tokenizer.ggml.merges list.")
-    vocab_rows = gguf.tensors["token_embd.weight"].shape[0]
-    if len(tokens) > vocab_rows:
-        raise DSparkError(
-            f"the GGUF vocabulary has {len(tokens)} tokens but token_embd.weight "
-            f"has only {vocab_rows} rows."
-        )
-    types = meta.get("tokenizer.ggml.token_type")
-    if types is None:
-        types = np.ones(len(tokens), dtype=np.int32)
-    if len(types) != len(tokens):
-        raise DSparkError(
-            "GGUF tokenizer.ggml.token_type and tokenizer.ggml.tokens differ in length."
-        )
-
-    vocab: dict[str, int] = {}
-    for i, token in enumerate(tokens):
-        vocab.setdefault(token, i)
-    pairs = []
-    for merge in merges:
-        left, sep, right = merge.partition(" ")
-        if not sep or left not in vocab or right not in vocab:
-            raise DSparkError(
-                f"GGUF tokenizer merge {merge!r} does not name two vocabulary tokens."
-            )
-        pairs.append((left, right))
-
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre not in _PRE_TOKENIZERS:
-        raise DSparkError(
-            f"GGUF pre-tokenizer {pre!r} is not supported "
-            f"(supported: {', '.join(sorted(_PRE_TOKENIZERS))})."
-        )
-
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
-    tok.pre_tokenizer = _pre_tokenizer(pre)
-    tok.decoder = decoders.ByteLevel()
-    specials = [
-        AddedToken(tokens[i], special=True, normalized=False)
-        for i in np.flatnonzero(types == TOKEN_TYPE_CONTROL)
-    ]
-    user = [
-        AddedToken(tokens[i], special=False, normalized=False)
-        for i in np.flatnonzero(types == TOKEN_TYPE_USER_DEFINED)
-    ]
-    tok.add_special_tokens(specials)
-    tok.add_tokens(user)
-
-    def token(key: str) -> str | None:
-        idx = meta.get(f"tokenizer.ggml.{key}_token_id")
-        if idx is None:
-            return None
-        if not 0 <= int(idx) < len(tokens):
-            raise DSparkError(
-                f"GGUF tokenizer.ggml.{key}_token_id {idx} is out of range."
-            )
-        return tokens[int(idx)]
-
-    bos, eos = token("bos"), token("eos")
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
-    if add_bos:
-        bos_id = vocab[bos]
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A",
-            pair=f"{bos} $A {bos} $B",
-            special_tokens=[(bos, bos_id)],
-        )
-    else:
-        tok.post_processor = processors.ByteLevel(trim_offsets=False)
-
-    special_map = {
-        name: value
-        for name, value in (
-            ("bos_token", bos),
-            ("eos_token", eos),
-            ("unk_token", token("unknown")),
-            ("pad_token", token("padding")),
-        )
-        if value is not None
-    }
-    tok_config: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": add_bos,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        **special_map,
-    }
-    if "llama.context_length" in meta:
-        tok_config["model_max_length"] = int(meta["llama.context_length"])
-    template = meta.get("tokenizer.chat_template")
-    if isinstance(template, str):
-        tok_config["chat_template"] = template
-    return {
-        "tokenizer.json": tok.to_str(pretty=True),
-        "tokenizer_config.json": json.dumps(tok_config, indent=2, ensure_ascii=False),
-        "special_tokens_map.json": json.dumps(
-            special_map, indent=2, ensure_ascii=False
-        ),
-    }
 
 
 # --------------------------------------------------------------------- weights
@@ -680,43 +453,102 @@ def unpermute_rows(w: Any, n_heads: int) -> Any:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _load_tensors(path: Path) -> dict[str, Any]:
-    import mlx.core as mx
+def gguf_values(gguf: GGUFFile, name: str) -> np.ndarray:
+    """A tensor as float32, dequantized by the ``gguf`` package."""
+    from gguf.quants import dequantize
 
-    try:
-        return mx.load(str(path), format="gguf")
-    except (RuntimeError, ValueError) as error:
-        raise DSparkError(
-            f"MLX could not read the tensors of {path} ({error})."
-        ) from None
+    t = gguf.tensors[name]
+    values = dequantize(t.data, t.tensor_type)
+    return np.asarray(values, dtype=np.float32).reshape(gguf.shape(name))
 
 
-def _convert_tensor(t: TensorPlan, arrays: dict[str, Any]) -> dict[str, Any]:
-    import mlx.core as mx
-
-    prefix = t.src.removesuffix(".weight")
-    dst_prefix = t.dst.removesuffix(".weight")
-    weight = arrays.pop(t.src)
-    dtype = getattr(mx, t.out_dtype)
-    if t.type_name in QUANT_BITS:
-        bits = QUANT_BITS[t.type_name]
-        scales = arrays.pop(f"{prefix}.scales")
-        biases = arrays.pop(f"{prefix}.biases")
-        if t.bits is None:
-            packed = (weight, scales, biases)
-            if weight.ndim == 1:
-                packed = tuple(a.reshape(1, -1) for a in packed)
-            weight = mx.dequantize(*packed, group_size=GROUP_SIZE, bits=bits)
-            parts = {"weight": weight.reshape(t.shape).astype(dtype)}
-        else:
-            parts = {"weight": weight, "scales": scales, "biases": biases}
-    else:
-        parts = {"weight": weight.astype(dtype)}
+def float_values(gguf: GGUFFile, t: TensorPlan) -> np.ndarray:
+    """A planned tensor's values as float32, in mlx-lm's convention."""
+    values = gguf_values(gguf, t.src)
+    if t.norm_shift:
+        values = values - np.float32(t.norm_shift)
     if t.unpermute_heads:
-        parts = {k: unpermute_rows(v, t.unpermute_heads) for k, v in parts.items()}
-    out = {f"{dst_prefix}.{k}": v for k, v in parts.items()}
-    mx.eval(out)
-    return out
+        values = unpermute_rows(values, t.unpermute_heads)
+    return values
+
+
+def affine_blocks(gguf: GGUFFile, t: TensorPlan) -> tuple[Any, Any, Any] | None:
+    """A Q4_0/Q4_1/Q8_0 matrix as MLX affine (weight, scales, biases) with group
+    size 32 and float16 scales, exactly as the GGUF blocks hold it (Q/K rows
+    un-permuted); None for other types or if the blocks do not map exactly."""
+    import mlx.core as mx
+
+    bits = AFFINE_TYPES.get(t.type_name)
+    if bits is None or len(t.shape) != 2 or t.norm_shift:
+        return None
+    values = gguf_values(gguf, t.src).reshape(-1, GGUF_GROUP_SIZE)
+    blocks = np.asarray(gguf.tensors[t.src].data).reshape(len(values), -1)
+    # Every one of these block types starts with its float16 scale; Q4_1 then
+    # has a float16 minimum, the others a fixed offset of their codes.
+    scales = blocks[:, :2].copy().view(np.float16)[:, 0]
+    if t.type_name == "Q4_1":
+        biases = blocks[:, 2:4].copy().view(np.float16)[:, 0]
+    else:
+        biases = scales * np.float16(-(1 << (bits - 1)))
+    step = np.where(scales == 0, 1, scales).astype(np.float32)[:, None]
+    codes = np.rint((values - biases.astype(np.float32)[:, None]) / step)
+    rebuilt = (
+        codes * scales.astype(np.float32)[:, None] + biases.astype(np.float32)[:, None]
+    )
+    if (
+        not np.all(np.isfinite(rebuilt))
+        or codes.min() < 0
+        or codes.max() >= 1 << bits
+        or np.abs(rebuilt - values).max() > 1e-6 * max(float(np.abs(step).max()), 1e-30)
+    ):
+        return None
+    codes = codes.astype(np.uint8)
+    if bits == 4:
+        codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    rows = t.shape[0]
+    weight = codes.reshape(rows, -1).view(np.uint32)
+    parts = [weight, scales.reshape(rows, -1), biases.reshape(rows, -1)]
+    if t.unpermute_heads:
+        parts = [unpermute_rows(p, t.unpermute_heads) for p in parts]
+    return tuple(mx.array(np.ascontiguousarray(p)) for p in parts)
+
+
+def convert_tensor(gguf: GGUFFile, t: TensorPlan, dtype: str) -> dict[str, Any]:
+    """The mlx-lm arrays (weight, or weight/scales/biases) of one planned tensor."""
+    import mlx.core as mx
+
+    out_dtype = getattr(mx, dtype)
+    prefix = t.dst.removesuffix(".weight")
+    blocks = affine_blocks(gguf, t)
+    if t.keep_blocks and blocks is not None:
+        weight, scales, biases = blocks
+        parts = {
+            f"{prefix}.weight": weight,
+            f"{prefix}.scales": scales.astype(out_dtype),
+            f"{prefix}.biases": biases.astype(out_dtype),
+        }
+        mx.eval(parts)
+        return parts
+    if blocks is not None:
+        values = mx.dequantize(
+            *blocks, group_size=GGUF_GROUP_SIZE, bits=AFFINE_TYPES[t.type_name]
+        )
+    else:
+        values = mx.array(float_values(gguf, t))
+    values = values.astype(out_dtype)
+    if t.bits is None:
+        parts = {t.dst: values}
+    else:
+        weight, scales, biases = mx.quantize(
+            values, group_size=t.group_size, bits=t.bits
+        )
+        parts = {
+            f"{prefix}.weight": weight,
+            f"{prefix}.scales": scales,
+            f"{prefix}.biases": biases,
+        }
+    mx.eval(parts)
+    return parts
 
 
 MAX_SHARD_BYTES = 5 << 30
@@ -763,29 +595,28 @@ def convert_gguf(
     out: str | Path,
     *,
     force: bool = False,
-    dequantize: bool = False,
-    dtype: str | None = None,
+    dtype: str = "float16",
+    bits: int | None = None,
+    group_size: int = 64,
     on_tensor: Callable[[int, int], None] | None = None,
 ) -> ConversionPlan:
-    """Convert a llama GGUF file into an mlx-lm model directory at ``out``.
+    """Convert a GGUF file into an mlx-lm model directory at ``out``.
 
     Nothing is written at ``out`` unless the whole conversion succeeds.
     ``on_tensor(done, total)`` is called after each tensor (for progress).
     """
     out = Path(out)
-    plan = plan_conversion(path, dequantize=dequantize, dtype=dtype)
+    plan = plan_conversion(path, dtype=dtype, bits=bits, group_size=group_size)
     check_output_dir(out.absolute(), force)
-    files = tokenizer_files(plan.gguf)
-
-    arrays = _load_tensors(plan.gguf.path)
+    context = plan.config["max_position_embeddings"]
+    files = tokenizer_files(plan.gguf.metadata, plan.config["vocab_size"], context)
 
     with atomic_output_dir(out, force) as tmp:
         weights: dict[str, Any] = {}
         for done, t in enumerate(plan.tensors, 1):
-            weights.update(_convert_tensor(t, arrays))
+            weights.update(convert_tensor(plan.gguf, t, dtype))
             if on_tensor is not None:
                 on_tensor(done, len(plan.tensors))
-        arrays.clear()
         _save_weights(tmp, weights)
         _save_config(tmp, plan.config)
         for name, text in files.items():

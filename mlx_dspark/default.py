@@ -54,9 +54,7 @@ def target_dir(gguf: Path | None = None) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=final.parent, prefix=".smollm2-"))
     try:
-        convert_gguf(
-            gguf, staging / "model", dequantize=True, dtype="float32", force=True
-        )
+        convert_gguf(gguf, staging / "model", dtype="float32", force=True)
         (staging / "model").rename(final)
     except (FileExistsError, OSError):
         if not (final / "config.json").exists():

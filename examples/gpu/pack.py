@@ -38,7 +38,12 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 import train_default_drafter as recipe  # noqa: E402
 from codec import read_parts  # noqa: E402
-from mlx_dspark.convert.gguf import QUANT_BITS, plan_conversion, unpermute_rows  # noqa: E402
+from mlx_dspark.convert.gguf import (  # noqa: E402
+    AFFINE_TYPES,
+    affine_blocks,
+    float_values,
+    plan_conversion,
+)
 
 from mlx_dspark.default import find_target_gguf, target_dir  # noqa: E402
 from mlx_dspark.utils import write_text_atomic  # noqa: E402
@@ -52,23 +57,15 @@ CODE_TEXT_CHARS, DOC_TEXT_CHARS = 2_400_000, 900_000
 
 def target_entries(gguf: Path) -> dict[str, dict[str, np.ndarray]]:
     """The :mod:`codec` entries of every target tensor, by tensor name."""
-    plan = plan_conversion(gguf, dequantize=False)
-    arrays = mx.load(str(gguf), format="gguf")
+    plan = plan_conversion(gguf, dtype="float32")
     entries = {}
     for t in plan.tensors:
-        if t.type_name not in QUANT_BITS:
-            entries[t.dst] = {t.dst: np.array(arrays[t.src].astype(mx.float32))}
+        blocks = affine_blocks(plan.gguf, t)
+        if blocks is None:
+            entries[t.dst] = {t.dst: float_values(plan.gguf, t)}
             continue
-        bits = QUANT_BITS[t.type_name]
-        stem = t.src.removesuffix(".weight")
-        parts = {
-            f"w{bits}": arrays[t.src],
-            "s": arrays[f"{stem}.scales"],
-            "b": arrays[f"{stem}.biases"],
-        }
-        if t.unpermute_heads:
-            parts = {k: unpermute_rows(v, t.unpermute_heads) for k, v in parts.items()}
-        parts = {k: np.array(v) for k, v in parts.items()}
+        bits = AFFINE_TYPES[t.type_name]
+        parts = {k: np.array(v) for k, v in zip((f"w{bits}", "s", "b"), blocks, strict=True)}
         if bits == 8 and np.array_equal(parts["b"], parts["s"] * np.float16(-128)):
             del parts["b"]
         entries[t.dst] = {f"{t.dst}|{k}": v for k, v in parts.items()}

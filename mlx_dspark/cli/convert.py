@@ -16,7 +16,7 @@ from ..errors import DSparkError
 from .terminal import progress_bar, run_command
 
 DRAFTERS = "Drafters (--draft-model)"
-_DRAFTER_ONLY = ("quantize", "q_bits", "q_group_size", "target")
+_DRAFTER_ONLY = ("target",)
 
 
 def _choice(flag: str, value, choices: tuple) -> None:
@@ -27,7 +27,8 @@ def _choice(flag: str, value, choices: tuple) -> None:
 
 def convert(
     gguf: str | None = typer.Option(
-        None, "--gguf", metavar="FILE", help="llama-architecture GGUF target model."
+        None, "--gguf", metavar="FILE", help="GGUF target model (llama, qwen2, qwen3 or gemma3; any tensor type "
+        "the gguf package reads).",
     ),
     draft_model: str | None = typer.Option(
         None,
@@ -47,33 +48,25 @@ def convert(
         help="Print what would be converted and written, then stop.",
         metavar="",
     ),
-    dequantize: bool = typer.Option(
-        False,
-        "--dequantize",
-        help="Write quantized GGUF tensors as float16 (faster on CPU).",
-        metavar="",
-    ),
     quantize: bool = typer.Option(
         False,
         "-q",
         "--quantize",
-        help="Quantize the drafter.",
+        help="Write MLX affine-quantized weights (a GGUF's own Q4_0/Q4_1/Q8_0 "
+        "blocks are kept where the bits match).",
         metavar="",
-        rich_help_panel=DRAFTERS,
     ),
     q_bits: int | None = typer.Option(
         None,
         "--q-bits",
         metavar="BITS",
         help="Bits per weight with -q: 2, 3, 4, 6 or 8 (default 4).",
-        rich_help_panel=DRAFTERS,
     ),
     q_group_size: int | None = typer.Option(
         None,
         "--q-group-size",
         metavar="SIZE",
         help="Quantization group size with -q: 32, 64 or 128 (default 64).",
-        rich_help_panel=DRAFTERS,
     ),
     target: str | None = typer.Option(
         None,
@@ -96,9 +89,8 @@ def convert(
         None,
         "--dtype",
         metavar="DTYPE",
-        help="dtype of float outputs: float16, bfloat16 or float32 (default: "
-        "float16 for dequantized tensors, GGUF's own type otherwise); float32 "
-        "runs fastest on CPU.",
+        help="dtype of float outputs: float16, bfloat16 or float32 (default "
+        "float16 for GGUF targets); float32 runs fastest on CPU.",
     ),
 ) -> None:
     """Convert checkpoints into MLX model directories."""
@@ -121,9 +113,15 @@ def convert(
 def convert_gguf_cli(args: SimpleNamespace) -> None:
     from ..convert.gguf import convert_gguf, describe_plan, plan_conversion
 
+    if not args.quantize and (args.q_bits or args.q_group_size):
+        raise DSparkError("--q-bits and --q-group-size need -q.")
+    options = dict(
+        dtype=args.dtype or "float16",
+        bits=(args.q_bits or 4) if args.quantize else None,
+        group_size=args.q_group_size or 64,
+    )
     if args.dry_run:
-        plan = plan_conversion(args.gguf, dequantize=args.dequantize, dtype=args.dtype)
-        print(describe_plan(plan))
+        print(describe_plan(plan_conversion(args.gguf, **options)))
         return
     if not args.out:
         raise DSparkError("--out is required unless --dry-run is given.")
@@ -132,9 +130,8 @@ def convert_gguf_cli(args: SimpleNamespace) -> None:
             args.gguf,
             args.out,
             force=args.force,
-            dequantize=args.dequantize,
-            dtype=args.dtype,
             on_tensor=advance,
+            **options,
         )
     print(
         f"wrote {args.out} ({len(plan.tensors)} tensors, "
@@ -145,8 +142,6 @@ def convert_gguf_cli(args: SimpleNamespace) -> None:
 def convert_drafter_cli(args: SimpleNamespace) -> None:
     from ..convert.drafter import convert_drafter, describe_plan, plan_drafter
 
-    if args.dequantize:
-        raise DSparkError("--dequantize applies to --gguf only.")
     options = dict(
         quantize=args.quantize,
         bits=args.q_bits,
