@@ -1,6 +1,7 @@
 """Measure the built-in default pair on held-out text (one run).
 
     python examples/eval_default_pair.py --max-tokens 96
+    python examples/eval_default_pair.py --pair gemma3-270m --max-tokens 96
 
 Held-out sets: chat-like questions (chat template), CPython standard-library
 modules excluded from training (``crc32(relative path) % 10 == 0``: code
@@ -10,7 +11,8 @@ T=1 with 7 drafts per round (T=1 pooled over ``--seeds`` sets of seeds: one
 set's figure moves by about 0.1 from set to set), and per set the tok/s of
 the pair with no DSpark arguments (the default policy) vs the target alone
 (mlx-lm), interleaved prompt by prompt in the same process: greedy, or
-sampled at ``--temp`` (prompt i with seed i on both sides).
+sampled at ``--temp`` (prompt i with seed i on both sides). ``--pair`` names
+another built-in pair; a base model (no chat template) has no chat set.
 """
 
 from __future__ import annotations
@@ -58,15 +60,17 @@ def held_out_sets(tokenizer, count: int, prefix_tokens: int) -> dict[str, list]:
             [{"role": "user", "content": q}], add_generation_prompt=True
         )
         for q in CHAT[:count]
+        if tokenizer.has_chat_template
     ]
     code, prose = [], []
+    start = tokenizer.encode("")  # Gemma's <bos>; nothing for SmolLM2
     # The modules from EVALUATED_MODULES on are the recipe's validation text.
     for path in held_out_modules()[:EVALUATED_MODULES]:
         text = path.read_text(encoding="utf-8", errors="replace")
         tokens = tokenizer.encode(text)
         if len(tokens) > 4 * prefix_tokens and len(code) < count:
             middle = len(tokens) // 3
-            code.append(tokens[middle : middle + prefix_tokens])
+            code.append(start + tokens[middle : middle + prefix_tokens])
         try:
             tree = ast.parse(text)
         except SyntaxError:
@@ -79,7 +83,8 @@ def held_out_sets(tokenizer, count: int, prefix_tokens: int) -> dict[str, list]:
                 if doc and len(doc) > 600:
                     prose.append(tokenizer.encode(doc[:300]))
                     break
-    return {"chat": chat, "code": code, "prose": prose}
+    sets = {"chat": chat, "code": code, "prose": prose}
+    return {name: prompts for name, prompts in sets.items() if prompts}
 
 
 def main() -> None:
@@ -88,7 +93,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--prefix-tokens", type=int, default=64)
     parser.add_argument(
-        "--draft-model", default=None, help="another drafter for SmolLM2 (ablations)"
+        "--pair", default=None, help="a built-in pair (default: smollm2-135m)"
+    )
+    parser.add_argument(
+        "--draft-model", default=None, help="another drafter for the pair's target"
     )
     parser.add_argument(
         "--acceptance",
@@ -100,7 +108,7 @@ def main() -> None:
         "--speed",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="time the pair with no DSpark arguments against SmolLM2 alone",
+        help="time the pair with no DSpark arguments against the target alone",
     )
     parser.add_argument(
         "--seeds",
@@ -120,7 +128,10 @@ def main() -> None:
         parser.error("--temp must be >= 0.")
     if args.seeds < 1:
         parser.error("--seeds must be at least 1.")
-    model, tokenizer, drafter = mlx_dspark.load()
+    try:
+        model, tokenizer, drafter = mlx_dspark.load(pair=args.pair)
+    except DSparkError as error:
+        parser.error(str(error))
     if args.draft_model is not None:
         try:
             drafter = mlx_dspark.load_drafter(args.draft_model, model)
@@ -129,8 +140,9 @@ def main() -> None:
     sets = held_out_sets(tokenizer, args.prompts, args.prefix_tokens)
     print(f"prompts: {', '.join(f'{k} {len(v)}' for k, v in sets.items())}")
     # warm up both paths (the default policy measures this machine once)
-    list(stream_generate(model, tokenizer, drafter, sets["chat"][0], max_tokens=8))
-    list(mlx_lm_stream_generate(model, tokenizer, sets["chat"][0], max_tokens=8))
+    first = next(iter(sets.values()))[0]
+    list(stream_generate(model, tokenizer, drafter, first, max_tokens=8))
+    list(mlx_lm_stream_generate(model, tokenizer, first, max_tokens=8))
     if args.acceptance:
         for temp in (0.0, 1.0):
             for name, prompts in sets.items():
@@ -145,7 +157,7 @@ def main() -> None:
                 model, tokenizer, drafter, prompts, args.max_tokens, args.temp
             )
             print(
-                f"T={args.temp:g} {name:5s}: tok/s (incl. prefill) SmolLM2 alone "
+                f"T={args.temp:g} {name:5s}: tok/s (incl. prefill) target alone "
                 f"{alone:.1f}, pair with no flags {pair:.1f}, ratio {pair / alone:.2f}"
             )
 
