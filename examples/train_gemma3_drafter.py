@@ -219,7 +219,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, required=True, help="working directory")
     parser.add_argument("--target", type=Path, default=None,
                         help="a converted Gemma-3-270M directory (default: the pair's)")  # fmt: skip
-    parser.add_argument("--stages", type=int, default=1,
+    parser.add_argument("--stages", type=int, default=len(STAGES),
                         choices=range(1, len(STAGES) + 1),
                         help="train through stage N (each continues the one before)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
