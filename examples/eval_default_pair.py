@@ -30,6 +30,7 @@ import mlx_dspark  # first: it loads a system OpenBLAS before mlx.core
 # isort: on
 import mlx.core as mx
 import numpy as np
+from mlx_lm.generate import generate_step
 from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 from mlx_lm.sample_utils import make_sampler
 
@@ -111,6 +112,12 @@ def main() -> None:
         help="time the pair with no DSpark arguments against the target alone",
     )
     parser.add_argument(
+        "--greedy-check",
+        action="store_true",
+        help="also check that greedy output (7 drafts a round, and the default "
+        "policy) is mlx-lm's, token for token, on every prompt",
+    )
+    parser.add_argument(
         "--seeds",
         type=int,
         default=3,
@@ -151,6 +158,10 @@ def main() -> None:
                     f"T={temp:g} {name:5s}: mean accepted length "
                     f"{np.mean(accepted) + 1:.2f} ({len(accepted)} rounds)"
                 )
+    if args.greedy_check:
+        for name, prompts in sets.items():
+            same = greedy_identical(model, tokenizer, drafter, prompts, args.max_tokens)
+            print(f"greedy {name:5s}: identical to mlx-lm on {same}/{2 * len(prompts)}")
     if args.speed:
         for name, prompts in sets.items():
             pair, alone = speed(
@@ -184,6 +195,24 @@ def acceptance(model, tokenizer, drafter, prompts, temp, args) -> list[int]:
         )
         accepted += [r.accepted for r in responses[-1].stats.rounds]
     return accepted
+
+
+def greedy_identical(model, tokenizer, drafter, prompts, max_tokens: int) -> int:
+    """How many of the prompts x (7 drafts a round, the default policy) give
+    mlx-lm's greedy tokens exactly (up to and including an end token)."""
+    eos = set(tokenizer.eos_token_ids)
+    same = 0
+    for prompt in prompts:
+        steps = generate_step(mx.array(prompt), model, max_tokens=max_tokens)
+        ref = [int(token) for token, _ in steps]
+        cut = next((i + 1 for i, t in enumerate(ref) if t in eos), len(ref))
+        for num_draft in (7, None):
+            got = stream_generate(
+                model, tokenizer, drafter, prompt, max_tokens=max_tokens,
+                num_draft=num_draft,
+            )  # fmt: skip
+            same += [r.token for r in got] == ref[:cut]
+    return same
 
 
 def speed(

@@ -215,3 +215,14 @@ def test_real_pair_is_lossless(real_pair, text):
             )
         )
         assert [r.token for r in responses] == expected[:cut], num_draft
+
+
+def test_eval_greedy_check_counts_identical_runs(pair_factory):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from eval_default_pair import greedy_identical
+
+    model, tokenizer, drafter, *_ = pair_factory(block_size=8)
+    prompts = [[1, 2, 3, 4], [5, 6, 7]]
+    assert greedy_identical(model, tokenizer, drafter, prompts, 12) == 4
