@@ -1,6 +1,7 @@
 """Measure the built-in default pair on held-out text (one run).
 
     python examples/eval_default_pair.py --max-tokens 96
+    python examples/eval_default_pair.py --pair gemma3-270m --max-tokens 96
 
 Held-out sets: chat-like questions (chat template), CPython standard-library
 modules excluded from training (``crc32(relative path) % 10 == 0``: code
@@ -10,7 +11,8 @@ T=1 with 7 drafts per round (T=1 pooled over ``--seeds`` sets of seeds: one
 set's figure moves by about 0.1 from set to set), and per set the tok/s of
 the pair with no DSpark arguments (the default policy) vs the target alone
 (mlx-lm), interleaved prompt by prompt in the same process: greedy, or
-sampled at ``--temp`` (prompt i with seed i on both sides).
+sampled at ``--temp`` (prompt i with seed i on both sides). ``--pair`` names
+another built-in pair; a base model (no chat template) has no chat set.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import mlx_dspark  # first: it loads a system OpenBLAS before mlx.core
 # isort: on
 import mlx.core as mx
 import numpy as np
+from mlx_lm.generate import generate_step
 from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 from mlx_lm.sample_utils import make_sampler
 
@@ -59,15 +62,17 @@ def held_out_sets(tokenizer, count: int, prefix_tokens: int) -> dict[str, list]:
             [{"role": "user", "content": q}], add_generation_prompt=True
         )
         for q in CHAT[:count]
+        if tokenizer.has_chat_template
     ]
     code, prose = [], []
+    start = tokenizer.encode("")  # Gemma's <bos>; nothing for SmolLM2
     # The modules from EVALUATED_MODULES on are the recipe's validation text.
     for path in held_out_modules()[:EVALUATED_MODULES]:
         text = path.read_text(encoding="utf-8", errors="replace")
         tokens = tokenizer.encode(text)
         if len(tokens) > 4 * prefix_tokens and len(code) < count:
             middle = len(tokens) // 3
-            code.append(tokens[middle : middle + prefix_tokens])
+            code.append(start + tokens[middle : middle + prefix_tokens])
         try:
             tree = ast.parse(text)
         except SyntaxError:
@@ -80,7 +85,8 @@ def held_out_sets(tokenizer, count: int, prefix_tokens: int) -> dict[str, list]:
                 if doc and len(doc) > 600:
                     prose.append(tokenizer.encode(doc[:300]))
                     break
-    return {"chat": chat, "code": code, "prose": prose}
+    sets = {"chat": chat, "code": code, "prose": prose}
+    return {name: prompts for name, prompts in sets.items() if prompts}
 
 
 def main() -> None:
@@ -89,7 +95,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--prefix-tokens", type=int, default=64)
     parser.add_argument(
-        "--draft-model", default=None, help="another drafter for SmolLM2 (ablations)"
+        "--pair", default=None, help="a built-in pair (default: smollm2-135m)"
+    )
+    parser.add_argument(
+        "--draft-model", default=None, help="another drafter for the pair's target"
     )
     parser.add_argument(
         "--model",
@@ -106,7 +115,13 @@ def main() -> None:
         "--speed",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="time the pair with no DSpark arguments against SmolLM2 alone",
+        help="time the pair with no DSpark arguments against the target alone",
+    )
+    parser.add_argument(
+        "--greedy-check",
+        action="store_true",
+        help="also check that greedy output (7 drafts a round, and the default "
+        "policy) is mlx-lm's, token for token, on every prompt",
     )
     parser.add_argument(
         "--seeds",
@@ -128,7 +143,7 @@ def main() -> None:
         parser.error("--seeds must be at least 1.")
     try:
         if args.model is None:
-            model, tokenizer, drafter = mlx_dspark.load()
+            model, tokenizer, drafter = mlx_dspark.load(pair=args.pair)
         else:
             model, tokenizer, drafter = mlx_dspark.load(
                 args.model, draft_model=default_pair()[1]
@@ -143,8 +158,9 @@ def main() -> None:
     sets = held_out_sets(tokenizer, args.prompts, args.prefix_tokens)
     print(f"prompts: {', '.join(f'{k} {len(v)}' for k, v in sets.items())}")
     # warm up both paths (the default policy measures this machine once)
-    list(stream_generate(model, tokenizer, drafter, sets["chat"][0], max_tokens=8))
-    list(mlx_lm_stream_generate(model, tokenizer, sets["chat"][0], max_tokens=8))
+    first = next(iter(sets.values()))[0]
+    list(stream_generate(model, tokenizer, drafter, first, max_tokens=8))
+    list(mlx_lm_stream_generate(model, tokenizer, first, max_tokens=8))
     if args.acceptance:
         for temp in (0.0, 1.0):
             for name, prompts in sets.items():
@@ -153,13 +169,17 @@ def main() -> None:
                     f"T={temp:g} {name:5s}: mean accepted length "
                     f"{np.mean(accepted) + 1:.2f} ({len(accepted)} rounds)"
                 )
+    if args.greedy_check:
+        for name, prompts in sets.items():
+            same = greedy_identical(model, tokenizer, drafter, prompts, args.max_tokens)
+            print(f"greedy {name:5s}: identical to mlx-lm on {same}/{2 * len(prompts)}")
     if args.speed:
         for name, prompts in sets.items():
             pair, alone, same = speed(
                 model, tokenizer, drafter, prompts, args.max_tokens, args.temp
             )
             print(
-                f"T={args.temp:g} {name:5s}: tok/s (incl. prefill) SmolLM2 alone "
+                f"T={args.temp:g} {name:5s}: tok/s (incl. prefill) target alone "
                 f"{alone:.1f}, pair with no flags {pair:.1f}, ratio {pair / alone:.2f}"
                 f"; output identical to mlx-lm's on {same}/{len(prompts)} prompts"
             )
@@ -187,6 +207,24 @@ def acceptance(model, tokenizer, drafter, prompts, temp, args) -> list[int]:
         )
         accepted += [r.accepted for r in responses[-1].stats.rounds]
     return accepted
+
+
+def greedy_identical(model, tokenizer, drafter, prompts, max_tokens: int) -> int:
+    """How many of the prompts x (7 drafts a round, the default policy) give
+    mlx-lm's greedy tokens exactly (up to and including an end token)."""
+    eos = set(tokenizer.eos_token_ids)
+    same = 0
+    for prompt in prompts:
+        steps = generate_step(mx.array(prompt), model, max_tokens=max_tokens)
+        ref = [int(token) for token, _ in steps]
+        cut = next((i + 1 for i, t in enumerate(ref) if t in eos), len(ref))
+        for num_draft in (7, None):
+            got = stream_generate(
+                model, tokenizer, drafter, prompt, max_tokens=max_tokens,
+                num_draft=num_draft,
+            )  # fmt: skip
+            same += [r.token for r in got] == ref[:cut]
+    return same
 
 
 def speed(

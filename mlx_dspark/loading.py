@@ -403,24 +403,31 @@ def load(
     adapter_path: str | Path | None = None,
     model_config: dict | None = None,
     trust_remote_code: bool = False,
+    pair: str | None = None,
 ):
     """Load ``(model, tokenizer, drafter)``; ``drafter`` is None without ``draft_model``.
 
-    With no ``target`` this loads the built-in default pair
-    (SmolLM2-135M-Instruct and the shipped drafter, see ``default.py``).
+    With no ``target`` this loads a built-in pair: ``pair`` names it
+    (``"smollm2-135m"``, ``"gemma3-270m"``; see ``default.py`` and
+    ``gemma3.py``), the default is SmolLM2-135M-Instruct and its drafter.
     ``adapter_path``, ``model_config`` and ``trust_remote_code`` apply to the
     target, as in ``mlx_lm.load``; the drafter verifies against the adapted
     target, so output stays the adapted target's own.
     """
+    if pair is not None and (target is not None or draft_model is not None):
+        raise DSparkError(
+            "A built-in pair brings its own target and drafter; pass pair or "
+            "target (and draft_model), not both."
+        )
     if target is None:
         if draft_model is not None:
             raise DSparkError(
                 "A draft model needs its target; pass both, or neither for the "
                 "default pair."
             )
-        from .default import default_pair
+        from .default import named_pair
 
-        target, draft_model = default_pair()
+        target, draft_model = named_pair(pair)
     _, _, model, tokenizer = load_target(
         target,
         tokenizer_config,

