@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from .errors import DSparkError
@@ -44,18 +45,26 @@ def target_dir(gguf: Path | None = None) -> Path:
     gguf = gguf or find_target_gguf()
     if gguf is None:
         raise DSparkError(INSTALL_HINT + ".")
-    from .convert.gguf import convert_gguf
-
     logging.getLogger("mlx_dspark").warning(
         "First use of the default pair: converting %s (%.0f MB) to float32 into %s.",
         gguf.name,
         gguf.stat().st_size / 1e6,
         final,
     )
+    return convert_into_cache(final, lambda staging: gguf)
+
+
+def convert_into_cache(final: Path, gguf_in: Callable[[Path], Path]) -> Path:
+    """Convert the GGUF file ``gguf_in(staging)`` gives to a float32 mlx-lm
+    directory at ``final``: written in a staging directory beside it (which
+    may also hold the GGUF) and renamed, so a failure leaves nothing behind
+    and a concurrent first use finds one whole directory."""
+    from .convert.gguf import convert_gguf
+
     final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=final.parent, prefix=".smollm2-"))
+    staging = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}-"))
     try:
-        convert_gguf(gguf, staging / "model", dtype="float32", force=True)
+        convert_gguf(gguf_in(staging), staging / "model", dtype="float32", force=True)
         (staging / "model").rename(final)
     except (FileExistsError, OSError):
         if not (final / "config.json").exists():

