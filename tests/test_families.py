@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_lm_load
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
-from test_gemma4 import OracleMode, temporal
+from test_gemma4 import OracleMode, exact_joint, temporal
 from test_sampling import chi_square, chi_square_critical
 from tiny_families import (
     CONFIGS,
@@ -32,7 +32,7 @@ from mlx_dspark import load, stream_generate
 from mlx_dspark.config import DraftConfig
 from mlx_dspark.drafter import DSparkDrafter
 from mlx_dspark.loop import GenerationStats, speculative_generate_step
-from mlx_dspark.sampling import SamplingParams, log_probs
+from mlx_dspark.sampling import SamplingParams
 from mlx_dspark.target import RecurrentCache, TargetAdapter, WindowKVCache
 from mlx_dspark.train import TrainArgs, train
 
@@ -261,22 +261,6 @@ def test_a_drafter_trains_and_decodes_losslessly(family, model_type, bits, tmp_p
     assert [t for t, _ in tokens] == expected
 
 
-def exact_joint(model, prompt, params: SamplingParams) -> dict[tuple, float]:
-    """P(x1, x2, x3 | prompt) of target-only sampling, by enumeration."""
-    first = np.exp(np.array(log_probs(model(mx.array([prompt]))[0, -1], params)))
-    pairs = [(a, b) for a in np.flatnonzero(first > 1e-6) for b in range(VOCAB)]
-    logits = model(mx.array([prompt + [int(a), b] for a, b in pairs]))
-    second = np.exp(np.array(log_probs(logits[:, -2], params)))
-    third = np.exp(np.array(log_probs(logits[:, -1], params)))
-    joint = {}
-    for i, (a, b) in enumerate(pairs):
-        for c in np.flatnonzero(third[i] > 0):
-            p = first[a] * second[i, b] * third[i, c]
-            if p > 0:
-                joint[(int(a), int(b), int(c))] = p
-    return joint
-
-
 @pytest.mark.parametrize("model_type", ["gemma3_text", "qwen3_5"])
 def test_sampling_is_exact(family, model_type):
     model, _, _ = family(model_type)
@@ -285,7 +269,7 @@ def test_sampling_is_exact(family, model_type):
     # Hot enough that many outcomes are likely (the map is sharp).
     params = SamplingParams(temperature=3.0)
     prompt = PROMPT[: WINDOW + 1]  # the window has wrapped
-    joint = exact_joint(model, prompt, params)
+    joint = exact_joint(model, params, prompt, VOCAB)
     seeds = 1500
     samples, stats = Counter(), GenerationStats()
     for seed in range(seeds):

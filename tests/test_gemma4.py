@@ -385,11 +385,12 @@ SAMPLING_PROMPT = [5, 7, 1, 2, 9, 3, 4, 0]  # longer than the window
 SEEDS = 1500
 
 
-def exact_joint(model, params: SamplingParams) -> dict[tuple, float]:
+def exact_joint(
+    model, params: SamplingParams, prompt=SAMPLING_PROMPT, vocab: int = VOCAB
+) -> dict[tuple, float]:
     """P(x1, x2, x3 | prompt) of target-only sampling, by enumeration."""
-    prompt = SAMPLING_PROMPT
     first = np.exp(np.array(log_probs(model(mx.array([prompt]))[0, -1], params)))
-    pairs = [(a, b) for a in np.flatnonzero(first > 0) for b in range(VOCAB)]
+    pairs = [(a, b) for a in np.flatnonzero(first > 0) for b in range(vocab)]
     logits = model(mx.array([prompt + [int(a), b] for a, b in pairs]))
     second = np.exp(np.array(log_probs(logits[:, -2], params)))
     third = np.exp(np.array(log_probs(logits[:, -1], params)))
