@@ -9,13 +9,10 @@ target with ``mlx_dspark.train``; see ``examples/train_default_drafter.py``.
 from __future__ import annotations
 
 import logging
-import shutil
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 from .errors import DSparkError
-from .utils import cache_dir
+from .utils import cache_dir, convert_into_cache
 
 DEFAULT_PAIR = "smollm2-135m"
 TARGET_NAME = "smollm2-135m-instruct-f32"
@@ -52,26 +49,6 @@ def target_dir(gguf: Path | None = None) -> Path:
         final,
     )
     return convert_into_cache(final, lambda staging: gguf)
-
-
-def convert_into_cache(final: Path, gguf_in: Callable[[Path], Path]) -> Path:
-    """Convert the GGUF file ``gguf_in(staging)`` gives to a float32 mlx-lm
-    directory at ``final``: written in a staging directory beside it (which
-    may also hold the GGUF) and renamed, so a failure leaves nothing behind
-    and a concurrent first use finds one whole directory."""
-    from .convert.gguf import convert_gguf
-
-    final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}-"))
-    try:
-        convert_gguf(gguf_in(staging), staging / "model", dtype="float32", force=True)
-        (staging / "model").rename(final)
-    except (FileExistsError, OSError):
-        if not (final / "config.json").exists():
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return final
 
 
 def default_pair() -> tuple[Path, Path]:

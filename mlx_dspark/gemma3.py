@@ -20,9 +20,8 @@ import importlib.util
 import logging
 from pathlib import Path
 
-from .default import convert_into_cache
 from .errors import DSparkError
-from .utils import cache_dir
+from .utils import cache_dir, convert_into_cache
 
 PAIR_NAME = "gemma3-270m"
 TARGET_NAME = "gemma-3-270m-f32"
