@@ -4,9 +4,7 @@ exactly (past the sliding window; recurrent state included), greedy output
 equals mlx-lm's with drafts accepted and rejected, a drafter trains, and
 sampling stays exact on a sliding-window and a hybrid family."""
 
-import itertools
 import json
-from collections import Counter
 
 import mlx.core as mx
 import numpy as np
@@ -15,7 +13,7 @@ from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_lm_load
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
-from test_gemma4 import OracleMode, exact_joint, temporal
+from test_gemma4 import OracleMode, exact_joint, sample_three, temporal
 from test_sampling import chi_square, chi_square_critical
 from tiny_families import (
     CONFIGS,
@@ -271,19 +269,7 @@ def test_sampling_is_exact(family, model_type):
     prompt = PROMPT[: WINDOW + 1]  # the window has wrapped
     joint = exact_joint(model, params, prompt, VOCAB)
     seeds = 1500
-    samples, stats = Counter(), GenerationStats()
-    for seed in range(seeds):
-        tokens = speculative_generate_step(
-            mx.array(prompt),
-            adapter,
-            drafter,
-            num_draft=drafter.block_size,
-            params=params,
-            max_tokens=3,
-            seed=seed,
-            stats=stats,
-        )
-        samples[tuple(t for t, _ in itertools.islice(tokens, 3))] += 1
+    samples, stats = sample_three(adapter, drafter, prompt, params, seeds)
     stat, dof = chi_square(samples, joint, seeds)
     assert dof >= 10
     assert stat < chi_square_critical(dof), (stat, dof)

@@ -375,7 +375,9 @@ def test_batched_verification_equals_single(model, temperature):
 def test_tree_verification_is_refused(model):
     adapter = TargetAdapter(model, TAPS)
     assert not adapter.supports_tree
-    with pytest.raises(DSparkError, match="Tree verification does not support gemma4_text"):
+    with pytest.raises(
+        DSparkError, match="Tree verification does not support gemma4_text"
+    ):
         adapter.check_tree()
 
 
@@ -403,18 +405,13 @@ def exact_joint(
     return joint
 
 
-@pytest.mark.parametrize("head", ["vanilla", "rnn"])
-def test_sampling_is_exact(head):
-    model = tiny_gemma4(seed=4)
-    adapter = TargetAdapter(model, TAPS)
-    drafter = random_drafter(adapter, head, block_size=4)
-    params = SamplingParams(temperature=1.0)
-    joint = exact_joint(model, params)
-    assert abs(sum(joint.values()) - 1.0) < 1e-4
+def sample_three(adapter, drafter, prompt, params, seeds: int):
+    """The first three tokens of ``seeds`` speculative generations (seed i for
+    the i-th), counted, and the rounds they took."""
     samples, stats = Counter(), GenerationStats()
-    for seed in range(SEEDS):
+    for seed in range(seeds):
         tokens = speculative_generate_step(
-            mx.array(SAMPLING_PROMPT),
+            mx.array(prompt),
             adapter,
             drafter,
             num_draft=drafter.block_size,
@@ -424,6 +421,18 @@ def test_sampling_is_exact(head):
             stats=stats,
         )
         samples[tuple(t for t, _ in itertools.islice(tokens, 3))] += 1
+    return samples, stats
+
+
+@pytest.mark.parametrize("head", ["vanilla", "rnn"])
+def test_sampling_is_exact(head):
+    model = tiny_gemma4(seed=4)
+    adapter = TargetAdapter(model, TAPS)
+    drafter = random_drafter(adapter, head, block_size=4)
+    params = SamplingParams(temperature=1.0)
+    joint = exact_joint(model, params)
+    assert abs(sum(joint.values()) - 1.0) < 1e-4
+    samples, stats = sample_three(adapter, drafter, SAMPLING_PROMPT, params, SEEDS)
     stat, dof = chi_square(samples, joint, SEEDS)
     assert dof >= 5
     assert stat < chi_square_critical(dof), (stat, dof)
