@@ -66,9 +66,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .costs import RoundCosts
-from .drafter import Proposal
 from .loop import RoundStats
 from .memory import MemoryGuard
+from .proposers import Proposal
 from .recording import RecordingPolicy, guarded_cap, proposal_survival
 from .scheduler import StepRateCurve, schedule
 

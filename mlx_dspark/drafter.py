@@ -10,7 +10,7 @@ recomputed each round and never stored.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, fields, replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -21,7 +21,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 from .config import DraftConfig
 from .coupled import TokenKey, mlx_lm_draw
 from .heads import ConfidenceHead, build_markov_head
-from .lookup import PhraseStore
+from .proposers import Proposal, Round, RowBias, top_logprob
 from .sampling import SamplingParams, processed_logits
 
 
@@ -39,43 +39,6 @@ class DraftCache:
         else:
             self.keys[layer] = mx.concatenate([self.keys[layer], keys], axis=2)
             self.values[layer] = mx.concatenate([self.values[layer], values], axis=2)
-
-
-@dataclass
-class Proposal:
-    """Draft tokens for one round with the distributions they were drawn from.
-
-    ``logits`` holds one row over the target vocabulary per draft: greedy,
-    the TSH-corrected logits it was taken from; sampled, the processed
-    log-weights (:func:`~mlx_dspark.sampling.processed_logits`, unnormalised)
-    it was drawn from, which verification reads as they are.
-    ``top_logprob[:, k]`` is the drafter's own log-probability (before any
-    copy bias and sampling temperature) of the most likely token of
-    draft ``k``'s row: without context copying, the largest log-probability of
-    that row. ``copied[:, k]`` says whether row ``k`` carried the copy bias.
-    Both describe draft ``k``'s distribution, not the token drawn from it, so
-    a scheduler may read them before deciding to verify draft ``k``.
-    """
-
-    tokens: mx.array
-    logits: mx.array
-    confidence: mx.array | None = None
-    extra: dict = field(default_factory=dict)
-    top_logprob: mx.array | None = None
-    copied: mx.array | None = None
-
-
-def top_logprob(logits: mx.array) -> mx.array:
-    """The largest log-probability of each row's softmax, in float32."""
-    logits = logits.astype(mx.float32)
-    return logits.max(axis=-1) - mx.logsumexp(logits, axis=-1)
-
-
-def point_mass(tokens: mx.array, vocab_size: int, dtype: mx.Dtype) -> mx.array:
-    """Logit rows ``[..., vocab_size]`` that put all the mass on ``tokens``:
-    0 there and -inf elsewhere."""
-    rows = mx.where(mx.arange(vocab_size) == tokens[..., None], 0.0, -mx.inf)
-    return rows.astype(dtype)
 
 
 class DraftAttention(nn.Module):
@@ -261,13 +224,10 @@ class DSparkDrafter(nn.Module):
             self.freeze(keys=["draft_to_target"], recurse=False)
         self._shared_embed: Callable | None = None
         self._shared_head: Callable | None = None
-        self._compiled_chain: Callable | None = None
+        self._compiled_chain: dict[type, Callable] | None = None
         # The default policy of this drafter's last generation, whose
         # measurements (costs, acceptance) the next generation starts from.
         self.policy_memory = None
-        # Target-written text the loop copies from when the context offers
-        # nothing (``phrases.npy`` beside the weights; see lookup.py).
-        self.phrase_store: PhraseStore | None = None
 
     @property
     def block_size(self) -> int:
@@ -464,7 +424,7 @@ class DSparkDrafter(nn.Module):
         key: mx.array | list[TokenKey] | None,
         *,
         confidence: bool = True,
-        copy: mx.array | None = None,
+        bias: RowBias | None = None,
     ) -> Proposal:
         """Sample ``n`` drafts left to right through the sequential head.
 
@@ -482,24 +442,13 @@ class DSparkDrafter(nn.Module):
         directly, so their full-vocabulary logits are left unevaluated until
         a consumer reads them. ``confidence=False`` skips the confidence head
         and the top log-probabilities the calibration reads beside it.
-
-        ``copy`` ``[B, >= n]`` holds target ids copied from the context
-        (:func:`~mlx_dspark.lookup.continuation`, -1 for none): draft ``k``'s
-        row adds ``config.context_copy_bias`` to ``copy[:, k]`` while drafts
-        ``1 .. k-1`` equal ``copy[:, :k-1]``. A copied token outside a reduced
-        draft vocabulary, which no row can hold, is drafted from a point mass
-        on it instead (as :func:`~mlx_dspark.modes.follow_copy` drafts past
-        the block): the returned row is that point mass, and its top
-        log-probability the lowest of the drafter's own row.
+        ``bias`` is added to the rows after the sequential head's
+        (:class:`RowBias`).
         """
         hidden = hidden[:, :n]
         base = self.logits(hidden)
-        if copy is not None and self.config.context_copy_bias:
-            copy = copy[:, :n].astype(mx.int32)
-        else:
-            copy = None
         coupled = isinstance(key, list)
-        if self.markov_head is None and copy is None and not coupled:
+        if self.markov_head is None and bias is None and not coupled:
             rows = base
             if params.greedy:
                 tokens = self.draft_ids_to_target(base)
@@ -507,10 +456,7 @@ class DSparkDrafter(nn.Module):
                 drawn = processed_logits(base, self._in_draft_vocab(params))
                 tokens = self._draw(drawn, key)
         elif params.greedy:
-            chain = self._compiled_chain or self.greedy_chain
-            tokens, rows = chain(
-                base, hidden, anchor, copy, self._copy_bias(copy, base.dtype)
-            )
+            tokens, rows = self._greedy_chain(base, hidden, anchor, bias)
         else:
             if coupled:
                 keys = key
@@ -518,11 +464,10 @@ class DSparkDrafter(nn.Module):
                 keys = [None] * n if key is None else list(mx.random.split(key, n))
             draft_params = self._in_draft_vocab(params)
             state = self._head_state(anchor)
-            prev, following, tokens, rows, drawn = anchor, None, [], [], []
-            bias = self._copy_bias(copy, base.dtype)
+            prev, carry, tokens, rows, drawn = anchor, None, [], [], []
             for k in range(n):
-                state, row, following, outside = self._draft_row(
-                    base, hidden, k, state, prev, copy, following, bias
+                state, row, carry, forced = self._draft_row(
+                    base, hidden, k, state, prev, bias, carry
                 )
                 if coupled:
                     prev, weights = mlx_lm_draw(self.to_target(row), params, keys[k])
@@ -530,8 +475,8 @@ class DSparkDrafter(nn.Module):
                 else:
                     drawn.append(processed_logits(row, draft_params))
                     prev = self._draw(drawn[-1], keys[k])
-                if outside is not None:
-                    prev = mx.where(outside, copy[:, k], prev)
+                if forced is not None:
+                    prev = mx.where(forced >= 0, forced, prev)
                 tokens.append(prev)
                 rows.append(row)
             tokens, rows = mx.stack(tokens, axis=1), mx.stack(rows, axis=1)
@@ -540,27 +485,13 @@ class DSparkDrafter(nn.Module):
             corrected = drawn  # already over the target vocabulary
         else:
             corrected = self.to_target(rows if params.greedy else drawn)
-        if copy is not None:
-            hits, outside = self._copy_hits(tokens, copy)
-            masses = point_mass(copy, corrected.shape[-1], corrected.dtype)
-            corrected = mx.where(outside[..., None], masses, corrected)
-        if not confidence:
-            return Proposal(tokens, corrected)
-        raw = self.chain_confidence(hidden, anchor, tokens)
-        if copy is None:
-            return Proposal(tokens, corrected, raw, top_logprob=top_logprob(rows))
-        own = rows - hits.astype(rows.dtype) * self.config.context_copy_bias
-        top = mx.argmax(rows, axis=-1, keepdims=True)
-        own_top = mx.take_along_axis(own, top, axis=-1).squeeze(-1)
-        own_top = mx.where(outside, own.min(axis=-1), own_top)
-        own_logprob = (own_top - mx.logsumexp(own, axis=-1)).astype(mx.float32)
-        return Proposal(
-            tokens,
-            corrected,
-            raw,
-            top_logprob=own_logprob,
-            copied=hits.any(axis=-1) | outside,
-        )
+        proposal = Proposal(tokens, corrected)
+        if confidence:
+            proposal.confidence = self.chain_confidence(hidden, anchor, tokens)
+            proposal.top_logprob = top_logprob(rows)
+        if bias is not None:
+            proposal = bias.finish(proposal, rows, self.draft_ids())
+        return proposal
 
     def _in_draft_vocab(self, params: SamplingParams) -> SamplingParams:
         """``params`` for processing draft-vocabulary rows: XTC's special
@@ -593,86 +524,83 @@ class DSparkDrafter(nn.Module):
         k: int,
         state: mx.array | None,
         prev: mx.array,
-        copy: mx.array | None,
-        following: mx.array | None,
-        copy_bias: mx.array | None,
-    ) -> tuple[mx.array | None, mx.array, mx.array | None, mx.array | None]:
+        bias: RowBias | None,
+        carry,
+    ) -> tuple[mx.array | None, mx.array, object, mx.array | None]:
         """Draft ``k``'s draft-vocabulary row after ``prev``: the backbone's
-        logits, the sequential head's bias and the copy bias. ``following``
-        marks the requests whose drafts so far equal the copied tokens, and
-        ``outside`` those of them whose copied token the draft vocabulary
-        lacks: their draft is that token (see :meth:`propose`)."""
+        logits, the sequential head's bias and ``bias``'s; with the head's
+        state and ``bias``'s carry and forced tokens (:class:`RowBias`)."""
         row = base[:, k]
         if self.markov_head is not None:
-            state, bias = self.markov_head.step(state, prev, hidden[:, k])
-            row = row + bias.astype(row.dtype)
-        outside = None
-        if copy is not None:
-            following = (
-                copy[:, 0] >= 0 if k == 0 else following & (prev == copy[:, k - 1])
-            )
-            hit = following[:, None] & (self._draft_ids() == copy[:, k : k + 1])
-            row = row + hit.astype(row.dtype) * copy_bias
-            outside = following & (copy[:, k] >= 0) & ~hit.any(axis=-1)
-        return state, row, following, outside
+            state, head_bias = self.markov_head.step(state, prev, hidden[:, k])
+            row = row + head_bias.astype(row.dtype)
+        forced = None
+        if bias is not None:
+            row, carry, forced = bias.row(k, row, prev, carry, self.draft_ids())
+        return state, row, carry, forced
 
-    def _copy_bias(self, copy: mx.array | None, dtype: mx.Dtype) -> mx.array | None:
-        """The copy bias as an array (a compiled chain must not freeze it)."""
-        if copy is None:
-            return None
-        return mx.array(self.config.context_copy_bias, dtype=dtype)
-
-    def _draft_ids(self) -> mx.array:
+    def draft_ids(self) -> mx.array:
         """The target id of every row of the drafter's output vocabulary."""
         if self.config.reduced_vocab:
             return self.draft_to_target
         return mx.arange(self.config.output_vocab_size, dtype=mx.int32)
-
-    def _copy_hits(self, tokens: mx.array, copy: mx.array) -> tuple[mx.array, mx.array]:
-        """Where each draft row carried the copy bias (``[B, n, V]``) and which
-        rows were a point mass on a copied token outside the draft vocabulary
-        (``[B, n]``), from the drafts and the copied tokens (the rule of
-        :meth:`_draft_row`)."""
-        agree = tokens[:, :-1] == copy[:, :-1]
-        following = mx.concatenate([copy[:, :1] >= 0, agree], axis=1)
-        following = mx.cumprod(following.astype(mx.int32), axis=1) > 0
-        hits = following[..., None] & (self._draft_ids() == copy[..., None])
-        return hits, following & (copy >= 0) & ~hits.any(axis=-1)
 
     def greedy_chain(
         self,
         base: mx.array,
         hidden: mx.array,
         anchor: mx.array,
-        copy: mx.array | None = None,
-        copy_bias: mx.array | None = None,
+        bias: RowBias | None = None,
     ) -> tuple[mx.array, mx.array]:
         """Greedy drafts through the sequential head: ``(tokens, corrected rows)``.
 
         ``base`` holds the backbone's draft-vocabulary logits ``[B, n, V]``; the
-        corrected rows stay in the draft vocabulary. ``copy`` and ``copy_bias``
-        as in :meth:`propose` (the bias a scalar array).
+        corrected rows stay in the draft vocabulary. ``bias`` as in
+        :meth:`propose`.
         """
         state = self._head_state(anchor)
-        prev, following, tokens, rows = anchor, None, [], []
+        prev, carry, tokens, rows = anchor, None, [], []
         for k in range(base.shape[1]):
-            state, row, following, outside = self._draft_row(
-                base, hidden, k, state, prev, copy, following, copy_bias
+            state, row, carry, forced = self._draft_row(
+                base, hidden, k, state, prev, bias, carry
             )
             prev = self.draft_ids_to_target(row)
-            if outside is not None:
-                prev = mx.where(outside, copy[:, k], prev)
+            if forced is not None:
+                prev = mx.where(forced >= 0, forced, prev)
             tokens.append(prev)
             rows.append(row)
         return mx.stack(tokens, axis=1), mx.stack(rows, axis=1)
 
+    def _greedy_chain(
+        self,
+        base: mx.array,
+        hidden: mx.array,
+        anchor: mx.array,
+        bias: RowBias | None,
+    ) -> tuple[mx.array, mx.array]:
+        """:meth:`greedy_chain`, compiled (one graph per kind of bias) after
+        :meth:`compile_greedy_chain`."""
+        if self._compiled_chain is None:
+            return self.greedy_chain(base, hidden, anchor, bias)
+        kind = type(bias)
+        if kind not in self._compiled_chain:
+
+            def chain(base, hidden, anchor, values):
+                made = None if values is None else kind(*values)
+                return self.greedy_chain(base, hidden, anchor, made)
+
+            self._compiled_chain[kind] = mx.compile(chain, inputs=self.state)
+        values = None
+        if bias is not None:
+            values = [getattr(bias, f.name) for f in fields(bias)]
+        return self._compiled_chain[kind](base, hidden, anchor, values)
+
     def compile_greedy_chain(self, enabled: bool = True) -> None:
         """Run :meth:`greedy_chain` as one ``mx.compile``d graph (one trace per
-        draft length, with and without a copy); the drafts are identical either
-        way. The drafter's arrays are the graph's inputs, so later weight
-        updates are seen."""
-        compiled = mx.compile(self.greedy_chain, inputs=self.state)
-        self._compiled_chain = compiled if enabled else None
+        draft length and kind of bias); the drafts are identical either way.
+        The drafter's arrays are the graph's inputs, so later weight updates
+        are seen."""
+        self._compiled_chain = {} if enabled else None
 
     def chain_confidence(
         self, hidden: mx.array, anchor: mx.array, tokens: mx.array
@@ -680,3 +608,36 @@ class DSparkDrafter(nn.Module):
         """Raw confidence logits of a chain of drafts ``tokens`` after ``anchor``."""
         prev_tokens = mx.concatenate([anchor[:, None], tokens[:, :-1]], axis=1)
         return self.confidence(hidden[:, : tokens.shape[1]], prev_tokens)
+
+
+@dataclass
+class DrafterProposer:
+    """The DSpark drafter as a :class:`~mlx_dspark.proposers.Proposer`: one
+    backbone pass over ``[anchor, mask, ...]`` (ingesting the round's
+    features into its cache, its state), then at most a block of drafts
+    through the sequential head. A DFlash model is a drafter without Markov
+    and confidence heads."""
+
+    drafter: DSparkDrafter
+
+    def make_state(self) -> DraftCache:
+        return self.drafter.make_cache()
+
+    def tree_source(
+        self, state: DraftCache, round: Round
+    ) -> tuple[DSparkDrafter, mx.array]:
+        """The drafter and its backbone's hidden states ``[1, block, d]``,
+        from which a tree's per-position rows come."""
+        anchor = mx.array([round.anchor])
+        block = self.drafter.block_tokens(anchor)
+        return self.drafter, self.drafter(block, round.start, round.features, state)
+
+    def propose(
+        self, state: DraftCache, round: Round, bias: RowBias | None = None
+    ) -> Proposal:
+        """The round's chain; ``bias`` on its rows (:class:`RowBias`)."""
+        _, hidden = self.tree_source(state, round)
+        n = min(round.cap, hidden.shape[1])
+        key = None if round.params.greedy else round.key
+        anchor = mx.array([round.anchor])
+        return self.drafter.propose(hidden, anchor, n, round.params, key, bias=bias)

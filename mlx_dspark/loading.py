@@ -375,8 +375,12 @@ def load_drafter(
         check_pair(config, adapter)
     drafter = build_drafter(config, read_weights(path), adapter)
     drafter.source_path = path
-    if (path / PHRASES_FILE).exists():
-        drafter.phrase_store = read_phrase_store(path / PHRASES_FILE, config)
+    # The pair's phrase store rides with the drafter it was written beside;
+    # the copy proposer reads it (copying.pair_proposer).
+    phrases = path / PHRASES_FILE
+    drafter.phrase_store = None
+    if phrases.exists():
+        drafter.phrase_store = read_phrase_store(phrases, config)
     return drafter
 
 

@@ -20,10 +20,11 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
+from .copying import pair_proposer
 from .coupled import TokenKey, TokenKeys, mlx_lm_token, resolve_sampling
-from .drafter import DraftCache, DSparkDrafter, Proposal
-from .lookup import copy_for, offers
-from .modes import ChainMode, RoundMode, copied_proposal
+from .drafter import DSparkDrafter
+from .modes import ChainMode, RoundMode
+from .proposers import Offer, Proposal, Proposer, Round
 from .sampling import SamplingParams, probabilities, sample
 from .scheduler import threshold_cut
 from .target import TargetAdapter
@@ -105,13 +106,13 @@ class DraftPolicy(Protocol):
 # drafter. ``round_cap`` for the round after a plain one is asked before that
 # plain round's token reaches the host (and before its ``observe``), so that a
 # following plain step can be queued on the lazy token; it must not sync. A
-# drafter that copies from the context needs that token to look the copy up,
-# so with copying the next plain step is queued once the token is known,
+# proposer that makes offers (copying from the context) needs that token to
+# make them, so then the next plain step is queued once the token is known,
 # unless the policy has a third optional method, ``plain_ahead(phrases) ->
 # bool``, that says (without syncing or changing its state) that the coming
-# round is plain whatever copy it is offered (``phrases``: a copy may come
-# from the drafter's phrase store): then its step is queued first, as without
-# copying, and the round is plain whatever ``round_cap`` says.
+# round is plain whatever it is offered (``phrases``: the proposer has a
+# phrase store): then its step is queued first, as without offers, and the
+# round is plain whatever ``round_cap`` says.
 
 
 @dataclass
@@ -176,7 +177,7 @@ def first_token(logits: mx.array, params: SamplingParams, rng: Randomness) -> in
 def speculative_generate_step(
     prompt: mx.array,
     target: TargetAdapter,
-    drafter: DSparkDrafter,
+    proposer: Proposer | DSparkDrafter,
     *,
     params: SamplingParams = SamplingParams(),
     num_draft: int,
@@ -192,15 +193,16 @@ def speculative_generate_step(
 ) -> Iterator[tuple[int, bool]]:
     """Yield ``(token, from_draft)`` until ``max_tokens`` tokens are produced.
 
-    ``num_draft`` bounds every round's drafts (the setup's
-    :attr:`~mlx_dspark.settings.SpeculationSettings.num_draft`); with a
-    drafter that copies from the context, ``copy_draft`` (default
-    ``num_draft``) bounds those of rounds offered a copy, whose drafts past
-    ``num_draft`` are the copy's own tokens (:meth:`ChainMode.propose
-    <mlx_dspark.modes.ChainMode.propose>`; chains only). With ``copy_as_is``
-    (chains only), a round whose copy covers all its drafts verifies the copy
-    itself (:func:`~mlx_dspark.modes.copied_proposal`) without running the
-    drafter, which ingests that round's features with the next round it drafts.
+    ``proposer`` proposes each drafted round (:mod:`~mlx_dspark.proposers`);
+    a drafter stands for its pair's proposer
+    (:func:`~mlx_dspark.copying.pair_proposer`, which ``copy_draft`` and
+    ``copy_as_is`` configure: with a drafter that copies from the context,
+    rounds offered a copy draft up to ``copy_draft``, past the block with the
+    copy's own tokens, and with ``copy_as_is`` a copy that covers all a
+    round's drafts is verified as it is). ``num_draft`` bounds every other
+    round's drafts (the setup's
+    :attr:`~mlx_dspark.settings.SpeculationSettings.num_draft`). A proposer
+    with ``offer`` offers kinds of rounds, which the policy picks among.
 
     ``sampling`` (sampled ``params`` only): ``"coupled"`` commits the very
     tokens ``mlx_lm.generate`` samples after ``mx.random.seed(seed)``
@@ -214,6 +216,8 @@ def speculative_generate_step(
     Stopping on end-of-sequence tokens is the caller's job; rounds may commit
     past it, which does not change the tokens before it.
     """
+    if isinstance(proposer, DSparkDrafter):
+        proposer = pair_proposer(proposer, copy_draft, copy_as_is)
     policy = policy or ThresholdPolicy()
     mode = mode or ChainMode()
     stats = stats if stats is not None else GenerationStats()
@@ -228,7 +232,7 @@ def speculative_generate_step(
     key = mx.random.key(seed)
 
     cache = target.make_cache()
-    draft_cache: DraftCache = drafter.make_cache()
+    state = proposer.make_state()
     tic = time.perf_counter()
     logits, context = prefill(target, prompt, cache, prefill_step_size)
     anchor = first_token(logits, params, rng)
@@ -236,16 +240,15 @@ def speculative_generate_step(
     ended = time.perf_counter()
     yield anchor, False
 
-    produced, start = 1, prompt.size
+    produced = 1
     round_cap = getattr(policy, "round_cap", None)
     observe = getattr(policy, "observe", None)
     plain_ahead = getattr(policy, "plain_ahead", None)
     no_proposal = Proposal(mx.zeros((1, 0), mx.int32), mx.zeros((1, 0, 1)))
-    unseen = [context]  # target features the drafter has not ingested yet
-    copying = drafter.config.context_copy_bias > 0
-    copy_draft = num_draft if copy_draft is None else copy_draft
-    history = [*prompt.tolist(), anchor] if copying else []
-    phrases = drafter.phrase_store if copying else None
+    unseen = [context]  # target features the proposer has not been given yet
+    history = [*prompt.tolist(), anchor]  # every committed token
+    offer_rounds = getattr(proposer, "offer", None)
+    phrases = getattr(proposer, "phrases", None) is not None
     ahead = None  # a plain step already launched for the coming round
 
     def split(key: mx.array) -> tuple[mx.array, mx.array | TokenKey | None]:
@@ -254,29 +257,27 @@ def speculative_generate_step(
             return key, keys.take(1)[0]
         return (key, None) if params.greedy else mx.random.split(key)
 
-    def next_cap(copy: np.ndarray | None, phrased: bool) -> int:
-        offered = offers(copy)
-        cap = min(copy_draft if offered else num_draft, max_tokens - produced - 1)
+    def next_cap(offer: Offer) -> int:
+        cap = min(offer.longest, max_tokens - produced - 1)
         if round_cap is not None:
-            told = round_cap(cap, copy=offered, phrases=phrased)
+            told = round_cap(cap, copy=offer.copy, phrases=offer.phrases)
             cap = max(0, min(cap, int(told)))
         return cap
 
-    def plan() -> tuple[np.ndarray | None, bool, int]:
-        """The coming round's copy (from the context, else from the drafter's
-        phrase store; None without copying), whether it is the store's, and
-        its cap. A store's copy the policy declines (cap 0) leaves the round
-        to the drafter's own guesses."""
-        if not copying:
-            return None, False, next_cap(None, False)
-        copy, phrased = copy_for(history, copy_draft, phrases)
-        cap = next_cap(copy, phrased)
-        if phrased and cap == 0:
-            copy, phrased = np.full_like(copy, -1), False
-            cap = next_cap(copy, phrased)
-        return copy, phrased, cap
+    def plan() -> tuple[Offer, int]:
+        """The coming round's offer and cap: the first offer the policy does
+        not decline (a cap of 0 on an offer that is not declinable is a
+        plain round)."""
+        offers = [Offer(num_draft)]
+        if offer_rounds is not None:
+            offers = offer_rounds(state, history, num_draft)
+        for offer in offers:
+            cap = next_cap(offer)
+            if cap > 0 or not offer.declinable:
+                break
+        return offer, cap
 
-    copy, phrased, cap = plan()
+    offer, cap = plan()
     while produced < max_tokens:
         tic = time.perf_counter()
         if cap == 0:
@@ -291,28 +292,27 @@ def speculative_generate_step(
             token, features = ahead
             ahead = None
             produced += 1
-            start += 1
-            offered, from_phrases = offers(copy), phrased
-            if copying and produced < max_tokens and plain_ahead is not None:
-                if plain_ahead(phrases is not None):  # whatever copy comes
+            kind = offer.copy, offer.phrases  # this round's
+            if offer_rounds is not None:
+                ahead_known = produced < max_tokens and plain_ahead is not None
+                if ahead_known and plain_ahead(phrases):  # whatever is offered
                     key, step_key = split(key)
                     ahead = plain_step(target, cache, token, params, step_key)
                     mx.async_eval([a for a in ahead if a is not None])
-            if copying:
                 history.append(token.item())
-            copy, phrased, cap = plan()
+            offer, cap = plan()
             if ahead is not None:
-                cap = 0  # the policy said so before the copy was known
+                cap = 0  # the policy said so before the offers were known
             elif cap == 0 and produced < max_tokens:
                 key, step_key = split(key)
                 ahead = plain_step(target, cache, token, params, step_key)
                 mx.async_eval([a for a in ahead if a is not None])
             anchor = token.item()
+            if offer_rounds is None:
+                history.append(anchor)
             unseen.append(features)
             now = time.perf_counter()
-            stats.rounds.append(
-                RoundStats(0, 0, 0, 0.0, now - tic, now - ended, offered, from_phrases)
-            )
+            stats.rounds.append(RoundStats(0, 0, 0, 0.0, now - tic, now - ended, *kind))
             ended = now
             if observe is not None:
                 observe(no_proposal, stats.rounds[-1])
@@ -322,33 +322,17 @@ def speculative_generate_step(
             round_key = keys.peek(cap)  # the drafted tokens' keys, not used up
         else:
             key, round_key = mx.random.split(key)
-        offered = offers(copy)
-        as_is = copy_as_is and offered and bool((copy[:cap] >= 0).all())
-        if as_is:
-            proposal = copied_proposal(mx.array(copy[:cap])[None], target.vocab_size)
-        else:
-            anchor_array = mx.array([anchor])
-            context = unseen[0] if len(unseen) == 1 else mx.concatenate(unseen, 1)
-            hidden = drafter(
-                drafter.block_tokens(anchor_array), start, context, draft_cache
-            )
-            proposal = mode.propose(
-                drafter,
-                hidden,
-                anchor_array,
-                cap,
-                params,
-                round_key,
-                None if copy is None else mx.array(copy[:cap])[None],
-            )
-        if cap > num_draft:  # past the block: as far as the drafts followed the copy
-            cap = proposal.tokens.shape[1]
+        features = unseen[0] if len(unseen) == 1 else mx.concatenate(unseen, 1)
+        round = Round(history, features, cap, params, round_key, offer)
+        proposal = mode.propose(proposer, state, round)
+        unseen = []
+        cap = min(cap, proposal.tokens.shape[1])
         n = policy.draft_length(proposal, cap)
         drafted_at = time.perf_counter()
         result, drafts, committed = mode.verify(
             target, cache, anchor, proposal, n, params, rng
         )
-        unseen = [*unseen, committed] if as_is else [committed]
+        unseen.append(committed)
         now = time.perf_counter()
         stats.rounds.append(
             RoundStats(
@@ -358,8 +342,8 @@ def speculative_generate_step(
                 draft_time=drafted_at - tic,
                 verify_time=now - drafted_at,
                 wall_time=now - ended,
-                copy_offered=offered,
-                phrases_offered=phrased,
+                copy_offered=offer.copy,
+                phrases_offered=offer.phrases,
             )
         )
         ended = now
@@ -369,8 +353,6 @@ def speculative_generate_step(
             yield token, True
         yield result.next_token, False
         produced += result.accepted + 1
-        start += result.accepted + 1
         anchor = result.next_token
-        if copying:
-            history.extend([*drafts[: result.accepted], anchor])
-        copy, phrased, cap = plan()
+        history.extend([*drafts[: result.accepted], anchor])
+        offer, cap = plan()

@@ -60,14 +60,15 @@ premise ``x_i ~ q_i``; the test suite checks that this variant is caught.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import mlx.core as mx
 import numpy as np
 
-from .coupled import TokenKey, TokenKeys, mlx_lm_token
-from .drafter import DSparkDrafter, Proposal, point_mass
+from .coupled import TokenKeys, mlx_lm_token
+from .drafter import DSparkDrafter
+from .proposers import Proposal, Proposer, Round
 from .sampling import SamplingParams, log_probs, normalised, probabilities
 from .target import TargetAdapter
 from .verify import Randomness, Verdict, draw, rejection_step, verdict, without
@@ -76,18 +77,9 @@ from .verify import Randomness, Verdict, draw, rejection_step, verdict, without
 class RoundMode(Protocol):
     """How a round drafts and verifies: a chain (:class:`ChainMode`) or a tree."""
 
-    def propose(
-        self,
-        drafter: DSparkDrafter,
-        hidden: mx.array,
-        anchor: mx.array,
-        cap: int,
-        params: SamplingParams,
-        key: mx.array | list[TokenKey],
-        copy: mx.array | None = None,
-    ) -> Proposal:
-        """Drafts for one round; ``copy`` holds tokens copied from the context
-        (see :meth:`~mlx_dspark.drafter.DSparkDrafter.propose`)."""
+    def propose(self, proposer: Proposer, state: Any, round: Round) -> Proposal:
+        """Drafts for one round from ``proposer`` (see
+        :mod:`~mlx_dspark.proposers`)."""
 
     def verify(
         self,
@@ -105,28 +97,12 @@ class RoundMode(Protocol):
 class ChainMode:
     """Verify the first ``n`` drafts of one chain in a single target forward."""
 
-    def propose(
-        self,
-        drafter: DSparkDrafter,
-        hidden: mx.array,
-        anchor: mx.array,
-        cap: int,
-        params: SamplingParams,
-        key: mx.array | list[TokenKey],
-        copy: mx.array | None = None,
-    ) -> Proposal:
-        """The drafter's chain of ``cap`` drafts, at most its block. Past the
-        block a round offered a copy goes on with the copy's own tokens when
-        every draft followed it (:func:`follow_copy`), else stops there."""
-        block = min(cap, hidden.shape[1])
-        proposal = drafter.propose(
-            hidden, anchor, block, params, None if params.greedy else key, copy=copy
-        )
+    def propose(self, proposer: Proposer, state: Any, round: Round) -> Proposal:
+        """The proposer's chain, its tokens and confidences evaluated."""
+        proposal = proposer.propose(state, round)
         # Greedy acceptance never reads the draft logits: leave them lazy.
-        logits = () if params.greedy else (proposal.logits,)
+        logits = () if round.params.greedy else (proposal.logits,)
         mx.eval(proposal.tokens, proposal.confidence, *logits)
-        if copy is not None and cap > block:
-            proposal = follow_copy(proposal, copy[:, :cap])
         return proposal
 
     def verify(
@@ -146,39 +122,6 @@ class ChainMode:
         return settle_chain(
             target, cache, drafts, proposal, logits, features, params, rng
         )
-
-
-def follow_copy(proposal: Proposal, copy: mx.array) -> Proposal:
-    """``proposal`` extended with the copy's tokens past its drafts, when its
-    drafts are the copy's first ones (else unchanged).
-
-    Each added draft is drawn from a point mass on the copied token: its row
-    is 0 there and -inf elsewhere, and rejection sampling against it keeps
-    the token with the target's probability of it and otherwise draws from
-    the target's distribution without it, so sampled output stays exact.
-    Whether drafts are added depends on the drafts before them only. Their
-    confidences and top log-probabilities are not defined: those arrays keep
-    the drafter's length.
-    """
-    n = proposal.tokens.shape[1]
-    if copy.shape[1] <= n or not mx.array_equal(proposal.tokens, copy[:, :n]):
-        return proposal
-    more = copy[:, n:]
-    rows = point_mass(more, proposal.logits.shape[-1], proposal.logits.dtype)
-    return replace(
-        proposal,
-        tokens=mx.concatenate([proposal.tokens, more], axis=1),
-        logits=mx.concatenate([proposal.logits, rows], 1),
-    )
-
-
-def copied_proposal(copy: mx.array, vocab_size: int) -> Proposal:
-    """Drafts that are a copy ``[1, n]`` as it is, each drawn from a point mass
-    on its token as :func:`follow_copy` draws those past the block (so greedy
-    keeps the copy as far as the target agrees, and sampling stays exact). No
-    drafter runs for them: they have no confidences."""
-    tokens = copy.astype(mx.int32)
-    return Proposal(tokens, point_mass(tokens, vocab_size, mx.float32))
 
 
 def settle_chain(
@@ -338,28 +281,30 @@ class TreeMode:
                 pending.append(len(nodes) - 1)
         return nodes, base
 
-    def propose(
-        self,
-        drafter: DSparkDrafter,
-        hidden: mx.array,
-        anchor: mx.array,
-        cap: int,
-        params: SamplingParams,
-        key: mx.array | list[TokenKey],
-        copy: mx.array | None = None,
-    ) -> Proposal:
+    def propose(self, proposer: Proposer, state: Any, round: Round) -> Proposal:
         """A tree as a proposal: ``tokens[0, i]`` is node ``i + 1`` of the
         tree whose node 0 is the anchor; ``logits[0, i]`` the row it was
-        drawn from (see :class:`~mlx_dspark.drafter.Proposal`);
+        drawn from (see :class:`~mlx_dspark.proposers.Proposal`);
         ``extra['parents'][i]`` its parent's index.
         Trees do not copy from the context. Given token keys (coupled
         sampling), the tree is drawn with a key split from the first one:
         any tree keeps the output exact, coupled verification commits the
-        target's own tokens."""
+        target's own tokens. The proposer must give per-position rows
+        (``tree_source``, as :class:`~mlx_dspark.drafter.DrafterProposer`
+        does)."""
+        source = getattr(proposer, "tree_source", None)
+        if source is None:
+            raise ValueError(
+                f"Tree drafting needs a proposer with per-position draft rows "
+                f"(the DSpark drafter); {type(proposer).__name__} proposes "
+                "chains only."
+            )
+        drafter, hidden = source(state, round)
+        key = round.key
         if isinstance(key, list):
             key = mx.random.split(key[0][1])[0]
         nodes, base = self.build(
-            drafter, hidden, int(anchor[0].item()), cap, params, key
+            drafter, hidden, round.anchor, round.cap, round.params, key
         )
         drafts = nodes[1:]
         if not drafts:

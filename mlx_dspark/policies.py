@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import numpy as np
 
-from .drafter import Proposal
+from .copying import copies
 from .loop import DraftPolicy, RoundStats
 from .memory import MemoryGuard
 from .modes import settle_chain
+from .proposers import Proposal
 from .recording import RecordingPolicy, guarded_cap, proposal_survival
 from .sampling import SamplingParams
 from .scheduler import SchedulerSettings, StepRateCurve, schedule
@@ -210,8 +211,9 @@ def resolve_policy(
     if settings.policy == "adaptive":
         from .adaptive import AdaptivePolicy
 
-        copying = drafter.config.context_copy_bias > 0
-        longest = (settings.copy_draft if copying else None) or settings.num_draft
+        longest = settings.num_draft
+        if copies(drafter):
+            longest = settings.copy_draft or longest
         guard = MemoryGuard.from_settings(knobs, longest, memory_source)
         earlier = drafter.policy_memory
         curve = None if earlier is None else earlier.profile

@@ -13,9 +13,9 @@ import mlx.core as mx
 import numpy as np
 
 from .calibration import CalibrationResult, apply_sts
-from .drafter import Proposal
 from .loop import RoundStats
 from .memory import MemoryGuard
+from .proposers import Proposal
 from .telemetry import Telemetry
 
 

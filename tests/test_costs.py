@@ -10,8 +10,8 @@ import pytest
 
 from mlx_dspark.adaptive import AdaptivePolicy
 from mlx_dspark.costs import RoundCosts
-from mlx_dspark.drafter import Proposal
 from mlx_dspark.loop import RoundStats
+from mlx_dspark.proposers import Proposal
 from mlx_dspark.scheduler import StepRateCurve
 
 NO_PROPOSAL = Proposal(mx.zeros((1, 0), mx.int32), mx.zeros((1, 0, 1)))

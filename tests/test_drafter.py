@@ -1,13 +1,12 @@
 """The drafter against an independent numpy reading of the DSpark semantics."""
 
-import dataclasses
-
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_dspark.config import DraftConfig
+from mlx_dspark.copying import CopyBias
 from mlx_dspark.drafter import DSparkDrafter
 from mlx_dspark.sampling import SamplingParams, log_probs, normalised
 
@@ -332,22 +331,21 @@ def test_compiled_and_plain_greedy_chains_give_identical_drafts(head, reduced):
     """With and without copying, at copy biases changed after compiling."""
     drafter = head_drafter(head, reduced, 1)
     hidden, anchor = two_blocks(drafter)
-    ids = np.array(drafter._draft_ids())
+    ids = np.array(drafter.draft_ids())
     copy = mx.array(ids[[[3, 5, 7, 9, 11], [2, 2, 4, 4, 6]]])
-    original, outputs = drafter.config, {}
-    try:
-        for compiled in (False, True):
-            drafter.compile_greedy_chain(compiled)
-            for bias in (0.0, 2.0, 1e3):
-                drafter.config = dataclasses.replace(original, context_copy_bias=bias)
-                for n in (5, 2, 5, 1):
-                    for rows in (slice(0, 2), slice(1, 2)):
-                        outputs[compiled, bias, n, rows.start] = drafter.propose(
-                            hidden[rows], anchor[rows], n, SamplingParams(), None,
-                            copy=copy[rows],
-                        )  # fmt: skip
-    finally:
-        drafter.config = original
+    outputs = {}
+    for compiled in (False, True):
+        drafter.compile_greedy_chain(compiled)
+        for bias in (None, 0.0, 2.0, 1e3):
+            for n in (5, 2, 5, 1):
+                for rows in (slice(0, 2), slice(1, 2)):
+                    toward = None
+                    if bias is not None:
+                        toward = CopyBias(copy[rows], mx.array(bias, mx.float32))
+                    outputs[compiled, bias, n, rows.start] = drafter.propose(
+                        hidden[rows], anchor[rows], n, SamplingParams(), None,
+                        bias=toward,
+                    )  # fmt: skip
     assert drafter._compiled_chain is not None
     for (_, bias, n, start), proposal in outputs.items():
         plain = outputs[False, bias, n, start]
@@ -357,6 +355,9 @@ def test_compiled_and_plain_greedy_chains_give_identical_drafts(head, reduced):
     followed = outputs[True, 1e3, 5, 0].tokens
     assert mx.array_equal(followed, copy)
     assert not mx.array_equal(outputs[True, 0.0, 5, 0].tokens, followed)
+    assert mx.array_equal(
+        outputs[True, 0.0, 5, 0].tokens, outputs[True, None, 5, 0].tokens
+    )
 
 
 def test_loaded_drafters_run_the_compiled_chain(pair_factory):

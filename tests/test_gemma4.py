@@ -16,11 +16,12 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from test_sampling import chi_square, chi_square_critical
 
 from mlx_dspark.config import DraftConfig
-from mlx_dspark.drafter import DSparkDrafter, Proposal
+from mlx_dspark.drafter import DSparkDrafter
 from mlx_dspark.errors import DSparkError
 from mlx_dspark.loop import GenerationStats, speculative_generate_step
 from mlx_dspark.modes import ChainMode
 from mlx_dspark.policies import verify_batch
+from mlx_dspark.proposers import Proposal
 from mlx_dspark.sampling import SamplingParams, log_probs
 from mlx_dspark.target import TargetAdapter, WindowKVCache
 
@@ -247,8 +248,9 @@ class OracleMode(ChainMode):
         self.generated, self.position, self.rounds = generated, 0, 0
         self.rng = np.random.default_rng(seed)
 
-    def propose(self, drafter, hidden, anchor, cap, params, key, copy=None):
-        proposal = super().propose(drafter, hidden, anchor, cap, params, key, copy)
+    def propose(self, proposer, state, round):
+        proposal = super().propose(proposer, state, round)
+        cap = round.cap
         drafts = self.generated[self.position + 1 : self.position + 1 + cap]
         drafts += [0] * (cap - len(drafts))
         if not (cap <= 2 and self.rounds % 3 == 2):

@@ -20,13 +20,15 @@ from test_sampling import (
 )
 from test_sampling import sample_first_three as sample_with
 
-from mlx_dspark import loop as generation_loop
-from mlx_dspark.drafter import Proposal
+from mlx_dspark import copying
+from mlx_dspark.copying import CopyBias, copied_proposal, follow_copy, pair_proposer
+from mlx_dspark.drafter import DrafterProposer
 from mlx_dspark.loading import load, load_drafter
 from mlx_dspark.lookup import continuation
 from mlx_dspark.loop import GenerationStats, speculative_generate_step
-from mlx_dspark.modes import ChainMode, copied_proposal, follow_copy
+from mlx_dspark.modes import ChainMode
 from mlx_dspark.policies import MonitoredPolicy
+from mlx_dspark.proposers import Proposal
 from mlx_dspark.sampling import SamplingParams
 from mlx_dspark.structured import PairSpec, build_structured_pair
 from mlx_dspark.target import TargetAdapter
@@ -79,6 +81,11 @@ def test_continuation_matches_its_definition_on_random_histories():
         assert got.tolist() == expected, (history, least)
 
 
+def toward(copy, bias):
+    """The copy bias of ``bias`` toward ``copy``."""
+    return CopyBias(copy, mx.array(bias, mx.float32))
+
+
 def with_copy_bias(drafter, bias):
     drafter.config = dataclasses.replace(drafter.config, context_copy_bias=bias)
     return drafter
@@ -106,15 +113,10 @@ def test_copy_bias_lifts_the_copied_tokens_while_the_drafts_follow_them(
     hidden, anchor = two_blocks(drafter)
     params = SamplingParams(temperature=temperature)
     key = None if params.greedy else mx.random.key(1)
-    plain = drafter.propose(hidden, anchor, 4, params, key)
     copy = mx.array([[ids[5], ids[7], -1, ids[2]], [ids[9], ids[4], ids[1], ids[6]]])
-    assert drafter.propose(
-        hidden, anchor, 4, params, key, copy=copy
-    ).tokens.tolist() == (
-        plain.tokens.tolist()
-    )  # a drafter whose config has no copy bias ignores the copy
-    with_copy_bias(drafter, 1e4)
-    copied = drafter.propose(hidden, anchor, 4, params, key, copy=copy)
+    # A pair whose drafter's config has no copy bias does not copy.
+    assert isinstance(pair_proposer(drafter), DrafterProposer)
+    copied = drafter.propose(hidden, anchor, 4, params, key, bias=toward(copy, 1e4))
     # Row 0 follows the copy until it runs out; after its own draft the copy
     # at position 3 no longer applies. Row 1 follows it all the way.
     tokens = copied.tokens.tolist()
@@ -138,14 +140,13 @@ def test_copy_bias_lifts_the_copied_tokens_while_the_drafts_follow_them(
     log_z = np.log(np.exp(finite - shift).sum(-1)) + shift[..., 0]
     expected = np.take_along_axis(own, top[..., None], -1)[..., 0] - log_z
     assert np.allclose(np.array(copied.top_logprob), expected, atol=1e-3)
-    with_copy_bias(drafter, 0.0)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 def test_copied_tokens_outside_a_reduced_vocabulary_are_drafted_from_a_point_mass(
     temperature,
 ):
-    drafter = with_copy_bias(reduced_drafter("vanilla", 3), 1e4)
+    drafter = reduced_drafter("vanilla", 3)
     ids = drafter.draft_to_target.tolist()
     first, second = [t for t in range(31) if t not in set(ids)][:2]
     anchor = mx.array([3])
@@ -153,7 +154,7 @@ def test_copied_tokens_outside_a_reduced_vocabulary_are_drafted_from_a_point_mas
     params = SamplingParams(temperature=temperature)
     key = None if params.greedy else mx.random.key(1)
     copy = mx.array([[first, ids[4], second]])
-    copied = drafter.propose(hidden, anchor, 3, params, key, copy=copy)
+    copied = drafter.propose(hidden, anchor, 3, params, key, bias=toward(copy, 1e4))
     assert copied.tokens.tolist() == copy.tolist()
     rows = np.array(copied.logits[0], dtype=np.float64)
     for k in (0, 2):  # outside: all the mass on the copied token
@@ -171,12 +172,12 @@ def test_copied_tokens_outside_a_reduced_vocabulary_are_drafted_from_a_point_mas
     assert np.allclose(tops[[0, 2]], own_logprob[[0, 2]].min(-1), atol=1e-4)
 
     # Drafts that left the copy are not forced back onto it.
-    with_copy_bias(drafter, 1e-6)
     plain = drafter.propose(hidden, anchor, 3, params, key)
     other = next(t for t in ids if t != plain.tokens[0, 0].item())
     left = drafter.propose(
-        hidden, anchor, 3, params, key, copy=mx.array([[other, first, second]])
-    )
+        hidden, anchor, 3, params, key,
+        bias=toward(mx.array([[other, first, second]]), 1e-6),
+    )  # fmt: skip
     assert left.tokens.tolist() == plain.tokens.tolist()
     assert left.copied.tolist() == [[True, False, False]]
 
@@ -217,9 +218,10 @@ class DraftsWithoutTheirBias(ChainMode):
     """A wrong proposal: drafts drawn with the copy bias, verified against
     rows without it."""
 
-    def propose(self, drafter, hidden, anchor, cap, params, key, copy=None):
-        proposal = super().propose(drafter, hidden, anchor, cap, params, key, copy)
-        unbiased = drafter.propose(hidden, anchor, cap, params, key)
+    def propose(self, proposer, state, round):
+        proposal = super().propose(proposer, state, round)
+        again = dataclasses.replace(round, features=None)  # already ingested
+        unbiased = proposer.inner.propose(state.inner, again)
         proposal.logits = unbiased.logits
         return proposal
 
@@ -277,8 +279,8 @@ class CountsDraftsOutside(ChainMode):
     def __init__(self, wrong=False):
         self.wrong, self.outside = wrong, 0
 
-    def propose(self, drafter, hidden, anchor, cap, params, key, copy=None):
-        proposal = super().propose(drafter, hidden, anchor, cap, params, key, copy)
+    def propose(self, proposer, state, round):
+        proposal = super().propose(proposer, state, round)
         outside = mx.array(np.isin(np.array(proposal.tokens), LEFT_OUT))
         self.outside += int(outside.sum().item())
         if self.wrong:
@@ -333,19 +335,25 @@ def test_follow_copy_goes_on_with_the_copy_only_where_the_drafts_followed_it():
         assert follow_copy(drafts, mx.array(copy)) is drafts
 
 
-class OneDraftThenTheCopy(ChainMode):
+class OneDraft(DrafterProposer):
     """A drafter block of one draft: a round offered a copy goes on past it
     with the copy's own tokens."""
 
-    def propose(self, drafter, hidden, anchor, cap, params, key, copy=None):
-        return super().propose(drafter, hidden[:, :1], anchor, cap, params, key, copy)
+    def propose(self, state, round, bias=None):
+        return super().propose(state, dataclasses.replace(round, cap=1), bias)
 
 
-class CopiesAgainstWrongRows(OneDraftThenTheCopy):
+def one_draft_then_the_copy(drafter, copy_draft):
+    return dataclasses.replace(
+        pair_proposer(drafter, copy_draft), inner=OneDraft(drafter)
+    )
+
+
+class CopiesAgainstWrongRows(ChainMode):
     """A wrong proposal: the copied drafts verified against uniform rows."""
 
-    def propose(self, drafter, hidden, anchor, cap, params, key, copy=None):
-        proposal = super().propose(drafter, hidden, anchor, cap, params, key, copy)
+    def propose(self, proposer, state, round):
+        proposal = super().propose(proposer, state, round)
         rows = proposal.logits
         proposal.logits = mx.concatenate([rows[:, :1], mx.zeros_like(rows[:, 1:])], 1)
         return proposal
@@ -368,11 +376,12 @@ def test_sampling_exact_with_copies_past_the_block(pair_factory, params):
     )
     prompt = repeated_walk(model)
     joint = exact_joint(model, params, prompt)
-    loop = {"max_tokens": 6, "num_draft": 1, "copy_draft": 4, "prompt": prompt}
+    loop = {"max_tokens": 6, "num_draft": 1, "prompt": prompt}
     whole = MonitoredPolicy  # verifies every draft proposed
     with copy_bias(drafter, 40.0):
+        loop["proposer"] = one_draft_then_the_copy(drafter, 4)
         samples, stats = sample_first_three(
-            model, drafter, params, OneDraftThenTheCopy(), policy=whole, **loop
+            model, drafter, params, policy=whole, **loop
         )
         stat, dof = chi_square(samples, joint, SEEDS)
         assert dof >= 5
@@ -408,10 +417,10 @@ def test_copies_as_is_are_lossless_and_skip_the_drafter(pair_factory, copy_draft
     with copy_bias(drafter, 1e3):
         for prompt in [*REPEATING_PROMPTS, [13, 5, 5, 21, 2, 17], COPY_PROMPT]:
             counting, stats = CountingDrafter(drafter), GenerationStats()
+            proposer = pair_proposer(counting, copy_draft, copy_as_is=True)
             steps = speculative_generate_step(
-                mx.array(prompt), target, counting, num_draft=4, max_tokens=48,
-                policy=MonitoredPolicy(), stats=stats, copy_draft=copy_draft,
-                copy_as_is=True,
+                mx.array(prompt), target, proposer, num_draft=4, max_tokens=48,
+                policy=MonitoredPolicy(), stats=stats,
             )  # fmt: skip
             tokens = [t for t, _ in steps]
             assert tokens == target_greedy(model, prompt, max_tokens=48)
@@ -446,9 +455,7 @@ def test_sampling_exact_with_copies_as_is(pair_factory, params, monkeypatch):
                 proposal = copied_proposal(copy, vocab_size)
                 return Proposal(proposal.tokens, mx.zeros_like(proposal.logits))
 
-            monkeypatch.setattr(
-                generation_loop, "copied_proposal", against_uniform_rows
-            )
+            monkeypatch.setattr(copying, "copied_proposal", against_uniform_rows)
             wrong, _ = sample_first_three(
                 model, drafter, params, policy=MonitoredPolicy, **loop
             )

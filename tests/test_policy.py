@@ -21,10 +21,10 @@ from test_schedint import fitted
 from mlx_dspark import loop, stream_generate
 from mlx_dspark.adaptive import AdaptivePolicy
 from mlx_dspark.benchmark import randomize_weights
-from mlx_dspark.drafter import Proposal
 from mlx_dspark.loading import load
 from mlx_dspark.lookup import continuation
 from mlx_dspark.loop import GenerationStats, RoundStats, speculative_generate_step
+from mlx_dspark.proposers import Proposal
 from mlx_dspark.sampling import SamplingParams
 from mlx_dspark.scheduler import StepRateCurve
 from mlx_dspark.settings import COPY_DRAFTS

@@ -65,10 +65,19 @@ def chi_square(samples: Counter, joint: dict, n: int) -> tuple[float, int]:
 
 
 def sample_first_three(
-    model, drafter, params, mode=None, seeds=SEEDS, policy=None, prompt=PROMPT, **loop
+    model,
+    drafter,
+    params,
+    mode=None,
+    seeds=SEEDS,
+    policy=None,
+    prompt=PROMPT,
+    proposer=None,
+    **loop,
 ):
-    """``policy``, when given, makes each seed's draft policy; ``loop`` holds
-    other arguments of the generation loop."""
+    """``policy``, when given, makes each seed's draft policy; ``proposer``
+    stands for the drafter's own; ``loop`` holds other arguments of the
+    generation loop."""
     target = TargetAdapter(model, drafter.config.target_layer_ids)
     samples, stats = Counter(), GenerationStats()
     loop = {"num_draft": drafter.block_size, "max_tokens": 3, **loop}
@@ -76,7 +85,7 @@ def sample_first_three(
         tokens = speculative_generate_step(
             mx.array(prompt),
             target,
-            drafter,
+            proposer or drafter,
             params=params,
             seed=seed,
             mode=mode,

@@ -33,13 +33,13 @@ from mlx_dspark.calibration import (
     records_per_position,
     records_to_arrays,
 )
-from mlx_dspark.drafter import Proposal
 from mlx_dspark.loading import load, load_drafter
 from mlx_dspark.loop import ThresholdPolicy, speculative_generate_step
 from mlx_dspark.memory import MemoryGuard, PressureLevel
 from mlx_dspark.modes import ChainMode
 from mlx_dspark.policies import SchedulerPolicy, resolve_policy, verify_batch
 from mlx_dspark.profile import get_profile, load_profile, profile_key, profile_path
+from mlx_dspark.proposers import Proposal
 from mlx_dspark.sampling import SamplingParams, log_probs
 from mlx_dspark.scheduler import SchedulerSettings, StepRateCurve, schedule
 from mlx_dspark.settings import build_settings

@@ -11,10 +11,11 @@ from test_cli import run
 from test_sampling import PROMPT, chi_square, chi_square_critical, exact_joint
 
 from mlx_dspark import stream_generate
-from mlx_dspark.drafter import Proposal
+from mlx_dspark.drafter import DrafterProposer
 from mlx_dspark.errors import DSparkError
 from mlx_dspark.loop import prefill, speculative_generate_step
 from mlx_dspark.modes import ChainMode, TreeMode
+from mlx_dspark.proposers import Proposal, Round
 from mlx_dspark.sampling import SamplingParams
 from mlx_dspark.target import TargetAdapter
 
@@ -93,16 +94,13 @@ def test_tree_forward_matches_root_path_forwards(pair_factory):
 
 def _tree_round(target, drafter, prompt, mode, params, seed):
     """Prefill, then one tree round; returns the cache and the committed tokens."""
-    cache, draft_cache = target.make_cache(), drafter.make_cache()
+    proposer = DrafterProposer(drafter)
+    cache, draft_cache = target.make_cache(), proposer.make_state()
     logits, context = prefill(target, mx.array(prompt), cache)
     anchor = int(mx.argmax(logits).item())
-    anchor_array = mx.array([anchor])
-    hidden = drafter(
-        drafter.block_tokens(anchor_array), len(prompt), context, draft_cache
-    )
-    proposal = mode.propose(
-        drafter, hidden, anchor_array, drafter.block_size, params, mx.random.key(seed)
-    )
+    key = mx.random.key(seed)
+    round = Round([*prompt, anchor], context, drafter.block_size, params, key)
+    proposal = mode.propose(proposer, draft_cache, round)
     rng = np.random.default_rng(seed)
     result, accepted, features = mode.verify(
         target, cache, anchor, proposal, drafter.block_size, params, rng

@@ -10,10 +10,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..drafter import Proposal
 from ..errors import DSparkError
 from ..loop import ThresholdPolicy, speculative_generate_step
 from ..modes import ChainMode
+from ..proposers import Proposal
 from ..target import TargetAdapter
 from .modes import Pair
 

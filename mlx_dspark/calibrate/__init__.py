@@ -38,10 +38,11 @@ from ..calibration import (
     records_to_arrays,
 )
 from ..coupled import UNSEEDED_SAMPLING
-from ..drafter import DSparkDrafter, Proposal
+from ..drafter import DSparkDrafter
 from ..errors import DSparkError
 from ..loop import RoundStats, speculative_generate_step
 from ..profile import _digest, model_fingerprint
+from ..proposers import Proposal
 from ..sampling import SamplingParams
 from ..settings import SpeculationSettings, build_settings
 from ..target import TargetAdapter

@@ -29,13 +29,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..copying import context_bias
 from ..coupled import TokenKeys, resolve_sampling
-from ..drafter import DSparkDrafter, Proposal
-from ..lookup import continuation
+from ..drafter import DSparkDrafter
 from ..loop import RoundStats, first_token
 from ..memory import MemoryGuard
 from ..modes import settle_chain
 from ..policies import SchedulerPolicy, telemetry_for
+from ..proposers import Proposal
 from ..sampling import SamplingParams
 from ..scheduler import SchedulerSettings, StepRateCurve
 from ..settings import build_settings
@@ -798,9 +799,9 @@ class BatchEngine:
         if greedy:
             index = mx.array(greedy)
             n = max(caps[rows[j]] for j in greedy)
-            copy = self._copies([slots[rows[j]] for j in greedy], n)
+            bias = self._copy_bias([slots[rows[j]] for j in greedy], n)
             chains = drafter.propose(
-                hidden[index], anchors[index], n, SamplingParams(), None, copy=copy
+                hidden[index], anchors[index], n, SamplingParams(), None, bias=bias
             )
             for i, j in enumerate(greedy):
                 c = caps[rows[j]]
@@ -825,18 +826,16 @@ class BatchEngine:
                 caps[r],
                 params,
                 key,
-                copy=self._copies([slots[r]], caps[r]),
+                bias=self._copy_bias([slots[r]], caps[r]),
             )
         return proposals
 
-    def _copies(self, slots: list[_Slot], n: int) -> mx.array | None:
-        """Each request's ``n`` tokens copied from its context (the drafter's
-        context copying), or None when the drafter does not copy."""
-        if not self.drafter.config.context_copy_bias:
-            return None
-        return mx.array(
-            np.stack([continuation([*s.context, s.anchor], n) for s in slots])
-        )
+    def _copy_bias(self, slots: list[_Slot], n: int):
+        """The bias toward each request's ``n`` tokens copied from its context
+        (:func:`~mlx_dspark.copying.context_bias`), or None when the drafter
+        does not copy."""
+        contexts = [[*s.context, s.anchor] for s in slots]
+        return context_bias(self.drafter, contexts, n)
 
     def _emit(self, slot: _Slot, tokens: list[int], logprobs: list[float] | None):
         """Send committed tokens, stopping at end of sequence or max_tokens."""
