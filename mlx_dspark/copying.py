@@ -11,7 +11,7 @@ against, so the output is unchanged; only the proposal moves.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
@@ -19,7 +19,7 @@ import numpy as np
 
 from .drafter import DrafterProposer, DSparkDrafter
 from .lookup import PhraseStore, continuation, copy_for, offers
-from .proposers import Offer, Proposal, Proposer, Round, features_since, point_mass
+from .proposers import Backlog, Offer, Proposal, Proposer, Round, point_mass
 
 
 @dataclass
@@ -120,22 +120,6 @@ def copied_proposal(copy: mx.array, vocab_size: int) -> Proposal:
 
 
 @dataclass
-class CopyState:
-    """A generation's state of a :class:`CopyProposer`: the inner proposer's,
-    and the features of the rounds it did not draft (copies verified as they
-    are), which it is given with the next round it drafts."""
-
-    inner: Any
-    pending: list = field(default_factory=list)
-
-    def inner_round(self, round: Round) -> Round:
-        """``round`` with the features the inner proposer has not seen."""
-        pending, self.pending = [*self.pending, round.features], []
-        pending = [f for f in pending if f is not None]
-        return replace(round, features=features_since(pending))
-
-
-@dataclass
 class CopyProposer:
     """Context copying and the phrase store composed with ``inner``: a
     :class:`~mlx_dspark.drafter.DrafterProposer`, whose rows a copy biases
@@ -158,10 +142,10 @@ class CopyProposer:
     as_is: bool = False
     phrases: PhraseStore | None = None
 
-    def make_state(self) -> CopyState:
-        return CopyState(self.inner.make_state())
+    def make_state(self) -> Backlog:
+        return Backlog(self.inner.make_state())
 
-    def offer(self, state: CopyState, tokens: list[int], longest: int) -> list[Offer]:
+    def offer(self, state: Backlog, tokens: list[int], longest: int) -> list[Offer]:
         """A copy from the context, else the store's (declinable); then the
         inner proposer's own guesses."""
         own = Offer(longest)
@@ -172,18 +156,19 @@ class CopyProposer:
         found = Offer(length, True, phrased, declinable=phrased, payload=copy)
         return [found, own]
 
-    def propose(self, state: CopyState, round: Round) -> Proposal:
+    def propose(self, state: Backlog, round: Round) -> Proposal:
         copy = None if round.offer is None else round.offer.payload
         if copy is None:
-            proposal = self.inner.propose(state.inner, state.inner_round(round))
+            proposal = self.inner.propose(state.inner, state.take(round))
             if proposal.top_logprob is None:
                 return proposal
             return replace(proposal, copied=mx.zeros(proposal.tokens.shape, mx.bool_))
-        copy = mx.array(copy[: round.cap])[None]
-        if self.as_is and bool((np.array(copy) >= 0).all()):
-            state.pending.append(round.features)
+        found = copy[: round.cap]
+        copy = mx.array(found)[None]
+        if self.as_is and bool((found >= 0).all()):
+            state.skip(round)
             return copied_proposal(copy, self.vocab_size)
-        inner_round = state.inner_round(round)
+        inner_round = state.take(round)
         if isinstance(self.inner, DrafterProposer):
             block = copy[:, : self.inner.drafter.block_size]
             bias = CopyBias(block, mx.array(self.bias, mx.float32))
@@ -194,9 +179,9 @@ class CopyProposer:
             proposal = follow_copy(proposal, copy)
         return proposal
 
-    def tree_source(self, state: CopyState, round: Round):
+    def tree_source(self, state: Backlog, round: Round):
         """Trees do not copy: the inner proposer's tree rows."""
-        return self.inner.tree_source(state.inner, state.inner_round(round))
+        return self.inner.tree_source(state.inner, state.take(round))
 
 
 def copies(drafter: DSparkDrafter) -> bool:

@@ -53,7 +53,7 @@ first, which the draft policy picks among (:class:`Offer`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import mlx.core as mx
@@ -182,8 +182,26 @@ class Proposer(Protocol):
         """A chain of at most ``round.cap`` drafts after ``round.anchor``."""
 
 
-def features_since(pending: list[mx.array]) -> mx.array | None:
-    """The features of a proposer's backlog as one array (None when empty)."""
-    if not pending:
-        return None
-    return pending[0] if len(pending) == 1 else mx.concatenate(pending, axis=1)
+@dataclass
+class Backlog:
+    """A composed proposer's state for one inner proposer: the inner one's
+    state, and the features of the rounds it was not asked to propose (a
+    copy verified as it is, another proposer's turn), which it is given with
+    the next round it proposes."""
+
+    inner: Any
+    pending: list = field(default_factory=list)
+
+    def skip(self, round: Round) -> None:
+        """Keep ``round``'s features for the next :meth:`take`."""
+        if round.features is not None:
+            self.pending.append(round.features)
+
+    def take(self, round: Round) -> Round:
+        """``round`` with every feature the inner proposer has not seen."""
+        self.skip(round)
+        pending, self.pending = self.pending, []
+        if not pending:
+            return replace(round, features=None)
+        features = pending[0] if len(pending) == 1 else mx.concatenate(pending, 1)
+        return replace(round, features=features)
