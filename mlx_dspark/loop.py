@@ -24,7 +24,7 @@ from .copying import pair_proposer
 from .coupled import TokenKey, TokenKeys, mlx_lm_token, resolve_sampling
 from .drafter import DSparkDrafter
 from .modes import ChainMode, RoundMode
-from .proposers import Offer, Proposal, Proposer, Round
+from .proposers import Offer, Proposal, Proposer, Round, joined
 from .sampling import SamplingParams, probabilities, sample
 from .scheduler import threshold_cut
 from .target import TargetAdapter
@@ -322,8 +322,7 @@ def speculative_generate_step(
             round_key = keys.peek(cap)  # the drafted tokens' keys, not used up
         else:
             key, round_key = mx.random.split(key)
-        features = unseen[0] if len(unseen) == 1 else mx.concatenate(unseen, 1)
-        round = Round(history, features, cap, params, round_key, offer)
+        round = Round(history, joined(unseen), cap, params, round_key, offer)
         proposal = mode.propose(proposer, state, round)
         unseen = []
         cap = min(cap, proposal.tokens.shape[1])

@@ -201,7 +201,12 @@ class Backlog:
         """``round`` with every feature the inner proposer has not seen."""
         self.skip(round)
         pending, self.pending = self.pending, []
-        if not pending:
-            return replace(round, features=None)
-        features = pending[0] if len(pending) == 1 else mx.concatenate(pending, 1)
-        return replace(round, features=features)
+        return replace(round, features=joined(pending))
+
+
+def joined(features: list[mx.array]) -> mx.array | None:
+    """Feature chunks ``[1, m_i, D]`` of consecutive positions as one array
+    (None for none)."""
+    if not features:
+        return None
+    return features[0] if len(features) == 1 else mx.concatenate(features, 1)

@@ -28,6 +28,7 @@ from mlx_dspark.modes import TreeMode
 from mlx_dspark.policies import MonitoredPolicy
 from mlx_dspark.proposers import Backlog, Offer, Proposal, Round
 from mlx_dspark.sampling import SamplingParams, processed_logits
+from mlx_dspark.serving import BatchEngine, EngineConfig, GenerationRequest
 from mlx_dspark.target import TargetAdapter
 
 
@@ -128,7 +129,9 @@ def bigram_table(model) -> mx.array:
     target's map without its context-dependent part, so its drafts are
     often, not always, kept."""
     vocab = model.args.vocab_size
-    return model(mx.arange(vocab)[:, None])[:, -1].astype(mx.float32)
+    table = model(mx.arange(vocab)[:, None])[:, -1].astype(mx.float32)
+    mx.eval(table)  # a server thread reads it
+    return table
 
 
 def mixed_pair(pair_factory, **spec):
@@ -254,3 +257,40 @@ def test_trees_refuse_a_chain_only_proposer(pair_factory):
     )  # fmt: skip
     with pytest.raises(ValueError, match="BigramProposer proposes chains only"):
         list(steps)
+
+
+def test_server_takes_any_proposer(pair_factory):
+    spec = {"markov_head_type": "vanilla", "sharpness": 0.6, "block_size": 4}
+    model, tokenizer, *_ = pair_factory(**spec)
+    _, drafter, bigram = mixed_pair(pair_factory, **spec)
+    settings = [SamplingParams(), SamplingParams(temperature=0.7, top_p=0.9)]
+    expected = {
+        (i, seed): mlx_lm_tokens(model, tokenizer, params, seed)
+        for i, params in enumerate(settings)
+        for seed in (0, 1)
+    }
+    with copy_bias(drafter, 40.0):
+        mixed = TakingTurns(pair_proposer(drafter), bigram)
+        config = EngineConfig(max_batch=4, adaptive=False)
+        engine = BatchEngine(model, tokenizer, drafter, config, proposer=mixed)
+        try:
+            handles = {
+                (i, seed): engine.submit(
+                    GenerationRequest(PROMPT, settings[i], MAX_TOKENS, seed)
+                )
+                for i, seed in expected
+            }
+            engine.start()
+            for key, handle in handles.items():
+                tokens = []
+                while not (event := handle.events.get(timeout=120)).finish_reason:
+                    assert event.error is None
+                    tokens += event.tokens
+                tokens += event.tokens
+                want = expected[key]
+                if want and want[-1] in tokenizer.eos_token_ids:
+                    want = want[:-1]
+                assert tokens == want, key
+        finally:
+            engine.stop()
+    assert engine.stats.drafts_accepted > 0 and set(mixed.taken) == {0, 1}

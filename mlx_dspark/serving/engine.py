@@ -36,7 +36,7 @@ from ..loop import RoundStats, first_token
 from ..memory import MemoryGuard
 from ..modes import settle_chain
 from ..policies import SchedulerPolicy, telemetry_for
-from ..proposers import Proposal
+from ..proposers import Proposal, Proposer, Round, joined
 from ..sampling import SamplingParams
 from ..scheduler import SchedulerSettings, StepRateCurve
 from ..settings import build_settings
@@ -387,6 +387,11 @@ class BatchEngine:
     ``submit`` queues a request and returns its handle; the engine thread
     (``start``) admits waiting requests between steps, prefills them, and
     runs batched draft / schedule / verify steps until every request is done.
+
+    ``proposer``, when given, proposes each request's chains alone through
+    :class:`~mlx_dspark.proposers.Proposer` (one state per request) instead
+    of the drafter's batched backbone; ``drafter`` still names the pair
+    (its target layers, block and calibration).
     """
 
     def __init__(
@@ -396,11 +401,15 @@ class BatchEngine:
         drafter: DSparkDrafter,
         config: EngineConfig | None = None,
         memory_source=None,
+        proposer: Proposer | None = None,
     ):
         from ..calibrate import find_calibration
 
         self.model = model
         self.drafter = drafter
+        # None: the drafter's own proposals, its backbone batched over the
+        # requests (with its pair's context copying).
+        self.proposer = proposer
         self.config = config or EngineConfig()
         self.target = TargetAdapter(model, drafter.config.target_layer_ids)
         # Sliding-window and recurrent caches stay per request (forward_batch).
@@ -542,7 +551,7 @@ class BatchEngine:
             slot = _Slot(
                 handle=handle,
                 cache=self.target.make_cache(),
-                draft_cache=self.drafter.make_cache(),
+                draft_cache=self._new_draft_state(),
                 unseen=[],
                 anchor=-1,
                 start=0,
@@ -764,18 +773,15 @@ class BatchEngine:
         come from one batched :meth:`~DSparkDrafter.propose`; a sampled
         request proposes alone, with its own parameters and random key.
         """
+        if self.proposer is not None:
+            return [self._propose(s, c) for s, c in zip(slots, caps, strict=True)]
         drafter = self.drafter
         proposals = [_empty_proposal() for _ in slots]
         rows = [r for r, c in enumerate(caps) if c > 0]
         if not rows:
             return proposals
         anchors = mx.array([slots[r].anchor for r in rows])
-        contexts = []
-        for r in rows:
-            unseen = slots[r].unseen
-            contexts.append(
-                unseen[0] if len(unseen) == 1 else mx.concatenate(unseen, 1)
-            )
+        contexts = [joined(slots[r].unseen) for r in rows]
         if len(rows) > 1 and self.batch_drafts:
             hidden = drafter.forward_batch(
                 drafter.block_tokens(anchors),
@@ -829,6 +835,27 @@ class BatchEngine:
                 bias=self._copy_bias([slots[r]], caps[r]),
             )
         return proposals
+
+    def _new_draft_state(self):
+        if self.proposer is None:
+            return self.drafter.make_cache()
+        return self.proposer.make_state()
+
+    def _propose(self, slot: _Slot, cap: int) -> Proposal:
+        """One request's chain from ``self.proposer`` (empty when ``cap`` is
+        0), lazily."""
+        if cap == 0:
+            return _empty_proposal()
+        params = slot.request.params
+        if params.greedy:
+            key = None
+        elif isinstance(slot.rng, TokenKeys):
+            key = slot.rng.peek(cap)  # coupled: the tokens' keys
+        else:
+            slot.key, key = mx.random.split(slot.key)
+        history = [*slot.context, slot.anchor]
+        round = Round(history, joined(slot.unseen), cap, params, key)
+        return self.proposer.propose(slot.draft_cache, round)
 
     def _copy_bias(self, slots: list[_Slot], n: int):
         """The bias toward each request's ``n`` tokens copied from its context
