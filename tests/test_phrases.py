@@ -194,6 +194,15 @@ def walks(model, starts, length=12):
     return [[s, *target_greedy(model, [s], max_tokens=length)] for s in starts]
 
 
+def store_offering(model, prompt):
+    """A store of the target's walks and of the prompt followed by the
+    target's greedy walk from its last token, so that the first round is
+    offered the store's copy too."""
+    documents = walks(model, range(1, 29), 6)
+    walk = documents[prompt[-1] - 1]  # the walk from the prompt's last token
+    return PhraseStore.from_documents([*documents, prompt + walk[1:]])
+
+
 def stranger_pair(pair_factory, **spec):
     """The structured target of ``spec`` with the drafter of another seed's
     pair: its own guesses rarely hold, so the store's copies carry the rounds
@@ -236,12 +245,8 @@ def test_sampling_exact_with_a_phrase_store(pair_factory):
     )
     params = SamplingParams(temperature=1.0)
     prompt = [3, 14, 15]
-    documents = walks(model, range(1, 29), 6)
-    # The prompt followed by the target's greedy walk from its last token, so
-    # that the first round is offered the store's copy too.
-    store = PhraseStore.from_documents([*documents, prompt + documents[14][1:]])
     joint = exact_joint(model, params, prompt)
-    drafter.phrase_store = store
+    drafter.phrase_store = store_offering(model, prompt)
     with copy_bias(drafter, 40.0):
         samples, stats = sample(model, drafter, params, prompt=prompt)
         wrong, _ = sample(

@@ -18,7 +18,7 @@ from test_sampling import (
 )
 from test_schedint import fitted
 
-from mlx_dspark import loop, stream_generate
+from mlx_dspark import copying, loop, stream_generate
 from mlx_dspark.adaptive import AdaptivePolicy
 from mlx_dspark.benchmark import randomize_weights
 from mlx_dspark.loading import load
@@ -588,12 +588,12 @@ def test_with_copying_a_plain_step_is_queued_before_the_lookup(
     model, _, drafter, *_ = pair_factory(block_size=8)
     target = TargetAdapter(model, drafter.config.target_layer_ids)
     events = []
-    step, lookup = loop.plain_step, loop.copy_for
+    step, lookup = loop.plain_step, copying.copy_for
     monkeypatch.setattr(
         loop, "plain_step", lambda *a: events.append("step") or step(*a)
     )
     monkeypatch.setattr(
-        loop, "copy_for", lambda *a: events.append("lookup") or lookup(*a)
+        copying, "copy_for", lambda *a: events.append("lookup") or lookup(*a)
     )
 
     def run(policy) -> str:

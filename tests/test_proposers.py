@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from test_greedy import target_greedy
 from test_lookup import copy_bias
-from test_phrases import stranger_pair, walks
+from test_phrases import store_offering, stranger_pair, walks
 from test_sampling import (
     SEEDS,
     chi_square,
@@ -18,7 +18,7 @@ from test_sampling import (
     exact_joint,
     sample_first_three,
 )
-from test_seed import MAX_TOKENS, PROMPT, mlx_lm_tokens
+from test_seed import MAX_TOKENS, PROMPT, mlx_lm_tokens, served, served_as
 
 from mlx_dspark.copying import pair_proposer
 from mlx_dspark.coupled import mlx_lm_draw
@@ -199,11 +199,7 @@ def test_sampling_exact_with_mixed_proposers(pair_factory, sampling):
     )
     params = SamplingParams(temperature=1.0)
     prompt = [3, 14, 15]
-    documents = walks(model, range(1, 29), 6)
-    # As in test_phrases: the prompt then the target's walk, so that the
-    # pair's first turns are offered the store's copy.
-    store = PhraseStore.from_documents([*documents, prompt + documents[14][1:]])
-    drafter.phrase_store = store
+    drafter.phrase_store = store_offering(model, prompt)
     joint = exact_joint(model, params, prompt)
     table = bigram_table(model)
 
@@ -282,15 +278,7 @@ def test_server_takes_any_proposer(pair_factory):
             }
             engine.start()
             for key, handle in handles.items():
-                tokens = []
-                while not (event := handle.events.get(timeout=120)).finish_reason:
-                    assert event.error is None
-                    tokens += event.tokens
-                tokens += event.tokens
-                want = expected[key]
-                if want and want[-1] in tokenizer.eos_token_ids:
-                    want = want[:-1]
-                assert tokens == want, key
+                assert served(handle) == served_as(expected[key], tokenizer), key
         finally:
             engine.stop()
     assert engine.stats.drafts_accepted > 0 and set(mixed.taken) == {0, 1}

@@ -257,6 +257,24 @@ def test_unseeded_coupled_goes_on_from_the_global_keys(pair, expected):
         assert tokens == expected[("t1-xtc", seed)]
 
 
+def served(handle) -> list[int]:
+    """A server request's tokens, to its end."""
+    tokens = []
+    while True:
+        event = handle.events.get(timeout=120)
+        assert event.error is None
+        tokens += event.tokens
+        if event.finish_reason:
+            return tokens
+
+
+def served_as(tokens, tokenizer) -> list[int]:
+    """mlx-lm's tokens as the server sends them: without the end of sequence."""
+    if tokens and tokens[-1] in tokenizer.eos_token_ids:
+        return tokens[:-1]
+    return tokens
+
+
 def test_server_requests_with_a_seed_equal_mlx_lm(pair, expected):
     model, tokenizer, drafter, *_ = pair
     engine = BatchEngine(model, tokenizer, drafter, EngineConfig(max_batch=8))
@@ -270,17 +288,7 @@ def test_server_requests_with_a_seed_equal_mlx_lm(pair, expected):
         }
         engine.start()
         for key, handle in handles.items():
-            tokens = []
-            while True:
-                event = handle.events.get(timeout=120)
-                assert event.error is None
-                tokens += event.tokens
-                if event.finish_reason:
-                    break
-            want = expected[key]
-            if want and want[-1] in tokenizer.eos_token_ids:
-                want = want[:-1]
-            assert tokens == want, key
+            assert served(handle) == served_as(expected[key], tokenizer), key
     finally:
         engine.stop()
     assert engine.stats.drafts_accepted > 0
