@@ -17,13 +17,14 @@ with that state and a :class:`Round`:
   previous ``propose`` (the whole prompt at the first), plain rounds
   included. Each position arrives exactly once.
 * ``round.tokens``: every committed token, the prompt's first; the last is
-  the anchor, at position ``round.start``. The feature of position ``p``
+  the anchor, at position ``round.start`` (the loop's own list: read it
+  during the call, do not keep it). The feature of position ``p``
   goes with the token at ``p + 1`` (:meth:`Round.following`: the ``m``
   tokens after the ``m`` features, the anchor last), which is what an
   autoregressive drafter such as EAGLE-3 pairs with it.
 * ``round.cap`` (>= 1), ``round.params``, ``round.key``: the most drafts to
-  propose, the sampling parameters, and the draw's randomness: None
-  (greedy), one MLX key to split, or (coupled sampling) one
+  propose, the sampling parameters, and the draw's randomness (not
+  used when greedy): one MLX key to split, or (coupled sampling) one
   :data:`~mlx_dspark.coupled.TokenKey` per draft position, with which draft
   ``k`` is :func:`~mlx_dspark.coupled.mlx_lm_draw` from its row so that it
   is the target's own token wherever the two rows agree.
