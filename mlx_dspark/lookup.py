@@ -4,8 +4,9 @@ Small targets decoding greedily repeat themselves (a loop body, a list's
 pattern, a phrase from the prompt), and a one-layer drafter rarely learns to
 copy. :func:`continuation` finds the latest earlier occurrence of the
 history's longest suffix (``min_ngram`` to ``max_ngram`` tokens: one token
-seen before is weak evidence) and returns the tokens that followed it; the drafter adds a fixed bias to those tokens' logits while
-its drafts keep following them (:meth:`~mlx_dspark.drafter.DSparkDrafter.propose`).
+seen before is weak evidence) and returns the tokens that followed it; the
+copy proposer adds a fixed bias to those tokens' logits in the drafter's rows
+while its drafts keep following them (:mod:`~mlx_dspark.copying`).
 The drafts are still drawn from the rows they are verified against, so the
 output is unchanged; only the proposal moves.
 

@@ -324,14 +324,13 @@ def speculative_generate_step(
             key, round_key = mx.random.split(key)
         round = Round(history, joined(unseen), cap, params, round_key, offer)
         proposal = mode.propose(proposer, state, round)
-        unseen = []
         cap = min(cap, proposal.tokens.shape[1])
         n = policy.draft_length(proposal, cap)
         drafted_at = time.perf_counter()
         result, drafts, committed = mode.verify(
             target, cache, anchor, proposal, n, params, rng
         )
-        unseen.append(committed)
+        unseen = [committed]  # the proposer was given every earlier one
         now = time.perf_counter()
         stats.rounds.append(
             RoundStats(
