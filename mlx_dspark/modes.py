@@ -68,6 +68,7 @@ import numpy as np
 
 from .coupled import TokenKeys, mlx_lm_token
 from .drafter import DSparkDrafter
+from .errors import DSparkError
 from .proposers import Proposal, Proposer, Round
 from .sampling import SamplingParams, log_probs, normalised, probabilities
 from .target import TargetAdapter
@@ -294,7 +295,7 @@ class TreeMode:
         does)."""
         source = getattr(proposer, "tree_source", None)
         if source is None:
-            raise ValueError(
+            raise DSparkError(
                 f"Tree drafting needs a proposer with per-position draft rows "
                 f"(the DSpark drafter); {type(proposer).__name__} proposes "
                 "chains only."

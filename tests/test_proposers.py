@@ -22,6 +22,7 @@ from test_seed import MAX_TOKENS, PROMPT, mlx_lm_tokens, served, served_as
 
 from mlx_dspark.copying import pair_proposer
 from mlx_dspark.coupled import mlx_lm_draw
+from mlx_dspark.errors import DSparkError
 from mlx_dspark.lookup import PhraseStore
 from mlx_dspark.loop import GenerationStats, speculative_generate_step
 from mlx_dspark.modes import TreeMode
@@ -251,7 +252,7 @@ def test_trees_refuse_a_chain_only_proposer(pair_factory):
         mx.array([1, 2, 3]), target, bigram, num_draft=4, max_tokens=8,
         mode=TreeMode(6),
     )  # fmt: skip
-    with pytest.raises(ValueError, match="BigramProposer proposes chains only"):
+    with pytest.raises(DSparkError, match="BigramProposer proposes chains only"):
         list(steps)
 
 
