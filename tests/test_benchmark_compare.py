@@ -3,10 +3,10 @@
 import json
 
 import pytest
+from test_benchmark import run_cli
 
 from mlx_dspark.benchmark import REPORT_SCHEMA, validate
 from mlx_dspark.benchmark.compare import parse_contender
-from mlx_dspark.cli.benchmark import main as benchmark_main
 from mlx_dspark.structured import PairSpec, build_structured_pair
 from mlx_dspark.train import TrainArgs, train
 
@@ -34,16 +34,6 @@ def drafters(tmp_path_factory):
     ).out
     eagle3 = train(TrainArgs(**common, out=str(root / "eagle3"), kind="eagle3")).out
     return target_dir, dspark_dir, dflash, eagle3
-
-
-def run_cli(argv, capsys):
-    try:
-        benchmark_main(argv)
-        code = 0
-    except SystemExit as exit:
-        code = exit.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def compare(target_dir, named, tmp_path, capsys, *more):

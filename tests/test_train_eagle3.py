@@ -10,16 +10,14 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+import test_train
 from mlx_lm.generate import generate_step
-from mlx_lm.sample_utils import make_sampler
 
-from mlx_dspark import load
 from mlx_dspark.data import Sequence
 from mlx_dspark.eagle3 import Eagle3Drafter
 from mlx_dspark.eagle3_config import Eagle3Config
 from mlx_dspark.errors import DSparkError
 from mlx_dspark.sampling import SamplingParams
-from mlx_dspark.structured import PairSpec, build_structured_pair
 from mlx_dspark.target import TargetAdapter
 from mlx_dspark.train import TrainArgs, train
 from mlx_dspark.training.eagle3 import (
@@ -31,33 +29,11 @@ from mlx_dspark.training.eagle3 import (
 )
 from mlx_dspark.training.teacher import OnlineTeacher
 
+# The structured target and its sampled training text (test_train's fixture).
+setup = test_train.setup
+_checkpoint_weights = test_train._checkpoint_weights
 PROMPTS = [[1, 2, 3], [7, 8], [20, 4, 11, 9], [0], [13, 5, 5, 21, 2, 17]]
 GREEDY = SamplingParams()
-
-
-def word(token: int) -> str:
-    return "</s>" if token == 30 else f"t{token}"
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """A structured target and target-sampled training text (JSONL)."""
-    root = tmp_path_factory.mktemp("train_eagle3")
-    target_dir, _ = build_structured_pair(root / "pair", PairSpec())
-    model, tokenizer, _ = load(target_dir)
-    rng = np.random.default_rng(0)
-    lines = []
-    for i in range(24):
-        prompt = rng.integers(0, 30, size=3).tolist()
-        mx.random.seed(i)
-        sampled = generate_step(
-            mx.array(prompt), model, max_tokens=60, sampler=make_sampler(0.7)
-        )
-        tokens = [*prompt, *(int(t) for t, _ in sampled)]
-        lines.append(json.dumps({"text": " ".join(map(word, tokens))}))
-    data = root / "data.jsonl"
-    data.write_text("\n".join(lines) + "\n")
-    return root, target_dir, model, tokenizer, data
 
 
 def base_args(setup, out, **changes) -> TrainArgs:
@@ -256,10 +232,6 @@ def test_reduced_draft_vocabulary(setup):
     proposal = drafter.draft(cache, mx.array([5]), 4, 3, GREEDY)
     allowed = set(np.array(weights["draft_to_target"]).tolist())
     assert set(proposal.tokens[0].tolist()) <= allowed
-
-
-def _checkpoint_weights(result):
-    return mx.load(str(result.checkpoint / "drafter.safetensors"))
 
 
 def test_resume_equals_uninterrupted(setup):

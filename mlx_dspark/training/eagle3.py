@@ -31,7 +31,7 @@ from ..eagle3 import Eagle3Drafter
 from ..eagle3_config import Eagle3Config
 from ..errors import DSparkError
 from ..target import TargetAdapter
-from .model import head_weight, start_norm_from_target, target_text_config
+from .model import start_norm_from_target, target_text_config, use_target_embeddings
 
 STEP_LOSS_DECAY = 0.8
 
@@ -127,15 +127,9 @@ def new_eagle3_drafter(
     (a reduced vocabulary: the head's rows for ``draft_ids``, frozen)."""
     mx.random.seed(seed)
     drafter = Eagle3Drafter(config)
+    use_target_embeddings(drafter, target, draft_ids)
     if config.reduced_vocab:
-        drafter.share_embeddings(target.embed, None)
-        drafter.own_embeddings(embed=False, head=True)
-        ids = mx.array(draft_ids)
-        drafter.lm_head.weight = head_weight(target)[ids].astype(mx.float32)
-        drafter.draft_to_target = ids
-        drafter.freeze(keys=["lm_head"], recurse=True)
-    else:
-        drafter.share_embeddings(target.embed, target.lm_head)
+        drafter.lm_head.weight = drafter.lm_head.weight.astype(mx.float32)
     start_norm_from_target(drafter, target)
     mx.eval(drafter.parameters())
     return drafter

@@ -151,15 +151,7 @@ def new_drafter(
     """
     mx.random.seed(seed)
     drafter = DSparkDrafter(config)
-    if config.reduced_vocab:
-        drafter.share_embeddings(target.embed, None)
-        drafter.own_embeddings(embed=False, head=True)
-        ids = mx.array(draft_ids)
-        drafter.lm_head.weight = head_weight(target)[ids]
-        drafter.draft_to_target = ids
-        drafter.freeze(keys=["lm_head"], recurse=True)
-    else:
-        drafter.share_embeddings(target.embed, target.lm_head)
+    use_target_embeddings(drafter, target, draft_ids)
     if config.is_gemma4:
         # DeepSpec's layer_scalar is a buffer of ones, never trained.
         for layer in drafter.layers:
@@ -177,6 +169,23 @@ def new_drafter(
     start_norm_from_target(drafter, target)
     mx.eval(drafter.parameters())
     return drafter
+
+
+def use_target_embeddings(
+    drafter: nn.Module, target: TargetAdapter, draft_ids: np.ndarray | None
+) -> None:
+    """Share the target's embedding and LM head with the drafter; with a
+    reduced draft vocabulary (``draft_ids``, target ids) the LM head is the
+    drafter's own: the target head's rows for those ids, frozen."""
+    if drafter.config.reduced_vocab:
+        drafter.share_embeddings(target.embed, None)
+        drafter.own_embeddings(embed=False, head=True)
+        ids = mx.array(draft_ids)
+        drafter.lm_head.weight = head_weight(target)[ids]
+        drafter.draft_to_target = ids
+        drafter.freeze(keys=["lm_head"], recurse=True)
+    else:
+        drafter.share_embeddings(target.embed, target.lm_head)
 
 
 def start_norm_from_target(drafter: nn.Module, target: TargetAdapter) -> None:
