@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 import test_train
@@ -80,6 +81,12 @@ def read_eagle3(path: Path, model) -> Eagle3Drafter:
         drafter.own_embeddings(embed=False, head=True)
     else:
         drafter.share_embeddings(target.embed, target.lm_head)
+    if config.quantization:
+        nn.quantize(
+            drafter,
+            **config.quantization,
+            class_predicate=lambda path, _: f"{path}.scales" in weights,
+        )
     drafter.load_weights(list(weights.items()))
     return drafter
 
@@ -232,6 +239,19 @@ def test_reduced_draft_vocabulary(setup):
     proposal = drafter.draft(cache, mx.array([5]), 4, 3, GREEDY)
     allowed = set(np.array(weights["draft_to_target"]).tolist())
     assert set(proposal.tokens[0].tolist()) <= allowed
+
+
+def test_quantized_export_drafts_as_the_float_one_nearly(setup, eagle3_run):
+    _, _, model, _, _ = setup
+    args = base_args(setup, "eagle3-q8", quantize_bits=8, quantize_group_size=32)
+    result = train(args)
+    config = json.loads((result.out / "config.json").read_text())
+    assert config["quantization"] == {"group_size": 32, "bits": 8}
+    weights = mx.load(str(result.out / "model.safetensors"))
+    assert "fc.scales" in weights and "layers.0.self_attn.q_proj.scales" in weights
+    quantized = greedy_accepted_length(model, read_eagle3(result.out, model))
+    full = greedy_accepted_length(model, read_eagle3(eagle3_run.out, model))
+    assert quantized == pytest.approx(full, abs=0.3)
 
 
 def test_resume_equals_uninterrupted(setup):

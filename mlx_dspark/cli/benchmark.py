@@ -308,6 +308,7 @@ def benchmark(
     compare: list[str] | None = typer.Option(
         None,
         "--compare",
+        metavar="[NAME=]DRAFTER",
         help="A drafter to compare, [NAME=]PATH (repeat: DSpark, DFlash, EAGLE-3 "
         "drafters for one --model), instead of the modes.",
     ),
