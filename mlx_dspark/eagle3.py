@@ -62,10 +62,10 @@ def causal_mask(queries: int, past: int) -> mx.array | None:
 
 
 class Eagle3Attention(nn.Module):
-    def __init__(self, config: Eagle3Config):
+    def __init__(self, config: Eagle3Config, eagle: bool = True):
         super().__init__()
         c = config
-        wide = 2 * c.hidden_size
+        wide = (2 if eagle else 1) * c.hidden_size
         bias = c.attention_bias
         self.k_eq_v = c.is_gemma4 and bool(c.attention_k_eq_v)
         if c.is_gemma4:
@@ -146,18 +146,22 @@ class Eagle3MLP(nn.Module):
 
 class Eagle3Layer(nn.Module):
     """One EAGLE-3 decoder layer: attention over ``[embeddings ; hidden]``,
-    then the MLP (Gemma-4: sandwich norms and ``layer_scalar``)."""
+    then the MLP (Gemma-4: sandwich norms and ``layer_scalar``). With
+    ``eagle=False`` a plain decoder layer over ``hidden`` alone (speculators'
+    layers after the first)."""
 
-    def __init__(self, config: Eagle3Config):
+    def __init__(self, config: Eagle3Config, eagle: bool = True):
         super().__init__()
         d, eps = config.hidden_size, config.rms_norm_eps
         self.gemma4 = config.is_gemma4
+        self.eagle = eagle
         self.norm_before_residual = config.norm_before_residual
-        self.self_attn = Eagle3Attention(config)
+        self.self_attn = Eagle3Attention(config, eagle)
         self.mlp = Eagle3MLP(
             d, config.intermediate_size, config.mlp_bias, gelu=config.is_gemma4
         )
-        self.hidden_norm = nn.RMSNorm(d, eps=eps)
+        if eagle:
+            self.hidden_norm = nn.RMSNorm(d, eps=eps)
         self.input_layernorm = nn.RMSNorm(d, eps=eps)
         self.post_attention_layernorm = nn.RMSNorm(d, eps=eps)
         if self.gemma4:
@@ -174,9 +178,12 @@ class Eagle3Layer(nn.Module):
         layer: int,
         mask: mx.array | None,
     ) -> mx.array:
-        normed = self.hidden_norm(hidden)
-        residual = normed if self.norm_before_residual else hidden
-        x = mx.concatenate([self.input_layernorm(embeds), normed], axis=-1)
+        if self.eagle:
+            normed = self.hidden_norm(hidden)
+            residual = normed if self.norm_before_residual else hidden
+            x = mx.concatenate([self.input_layernorm(embeds), normed], axis=-1)
+        else:
+            residual, x = hidden, self.input_layernorm(hidden)
         attn = self.self_attn(x, offset, cache, layer, mask)
         if not self.gemma4:
             h = residual + attn
@@ -199,8 +206,19 @@ class Eagle3Drafter(nn.Module):
         super().__init__()
         self.config = config
         d = config.hidden_size
+        eps = config.rms_norm_eps
+        if config.norm_before_fc:
+            self.input_norm = nn.RMSNorm(config.feature_size, eps=eps)
+        if config.fc_norm:
+            self.fc_norm = [
+                nn.RMSNorm(config.target_hidden_size, eps=eps)
+                for _ in config.target_layer_ids
+            ]
         self.fc = nn.Linear(config.feature_size, d, bias=False)
-        self.layers = [Eagle3Layer(config) for _ in range(config.num_hidden_layers)]
+        self.layers = [
+            Eagle3Layer(config, eagle=i == 0 or not config.plain_later_layers)
+            for i in range(config.num_hidden_layers)
+        ]
         self.norm = nn.RMSNorm(d, eps=config.rms_norm_eps)
         if config.reduced_vocab:
             self.draft_to_target = mx.arange(config.draft_vocab_size, dtype=mx.int32)
@@ -247,13 +265,22 @@ class Eagle3Drafter(nn.Module):
         return h
 
     def project(self, features: mx.array) -> mx.array:
-        """``fc`` of the concatenated target features ``[B, L, feature_size]``."""
+        """``fc`` of the concatenated target features ``[B, L, feature_size]``
+        (normed first where the checkpoint says so)."""
+        if "input_norm" in self:
+            features = self.input_norm(features)
+        if "fc_norm" in self:
+            parts = mx.split(features, len(self.fc_norm), axis=-1)
+            features = mx.concatenate(
+                [norm(x) for norm, x in zip(self.fc_norm, parts, strict=True)], axis=-1
+            )
         return self.fc(features)
 
     def logits(self, hidden: mx.array) -> mx.array:
         """Draft-vocabulary logits of the drafter's hidden states (after
-        ``norm``); Gemma-4 soft-caps them (a shared Gemma-4 head caps already)."""
-        h = self.norm(hidden)
+        ``norm``, unless ``norm_output`` normed them already); Gemma-4
+        soft-caps them (a shared Gemma-4 head caps already)."""
+        h = hidden if self.config.norm_output else self.norm(hidden)
         if self._shared_head is not None:
             return self._shared_head(h)
         logits = self.lm_head(h)
@@ -310,7 +337,7 @@ class Eagle3Drafter(nn.Module):
         embeds = self.embed(tokens)
         for i, layer in enumerate(self.layers):
             hidden = layer(embeds, hidden, offset, cache, i, mask)
-        return hidden
+        return self.norm(hidden) if self.config.norm_output else hidden
 
     # ------------------------------------------------------- chain drafting
     def extend(

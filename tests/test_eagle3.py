@@ -1,0 +1,265 @@
+"""EAGLE-3 drafters against DeepSpec's own code and speculators' own classes.
+
+The fixtures in tests/data/eagle3/ were written by
+examples/make_eagle3_fixtures.py from DeepSpec's ``Qwen3Eagle3Model`` /
+``Gemma4Eagle3Model`` and its greedy evaluator loop, and from speculators'
+``Eagle3DraftModel``.
+"""
+
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from eagle3_chain import generate_chain
+from mlx_lm.utils import load_model
+from test_sampling import chi_square, chi_square_critical, exact_joint
+
+from mlx_dspark.eagle3_loading import is_eagle3, is_eagle3_path, load_eagle3
+from mlx_dspark.eagle3_structured import build_eagle3_pair
+from mlx_dspark.errors import DSparkError
+from mlx_dspark.sampling import SamplingParams
+from mlx_dspark.structured import PairSpec
+
+DATA = Path(__file__).parent / "data" / "eagle3"
+ROUNDS = json.loads((DATA / "qwen3_rounds.json").read_text())
+GREEDY = SamplingParams()
+
+
+@pytest.fixture(scope="module")
+def target():
+    model, _ = load_model(DATA / "target")
+    return model
+
+
+def scripted(drafter, script) -> tuple[np.ndarray, list[int]]:
+    """The fixture's session: extend, draft four, extend two committed
+    positions, draft three (the draft rows and tokens)."""
+    n = int(script["prompt_positions"])
+    features = mx.array(script["features"])
+    tokens = mx.array(script["tokens"])
+    cache = drafter.make_cache()
+    drafter.extend(cache, features[:, :n], tokens[:, :n], 0)
+    first = drafter.draft(cache, tokens[:, n - 1], n, 4, GREEDY)
+    assert cache.length == n and cache.keys[0].shape[2] == n
+    drafter.extend(cache, features[:, n:], tokens[:, n:], n)
+    second = drafter.draft(cache, tokens[:, -1], n + 2, 3, GREEDY)
+    rows = mx.concatenate([first.logits[0], second.logits[0]])
+    drafts = first.tokens[0].tolist() + second.tokens[0].tolist()
+    return np.array(rows), drafts
+
+
+@pytest.mark.parametrize("flavour", ["qwen3", "gemma4"])
+def test_draft_logits_match_deepspec(flavour):
+    script = np.load(DATA / f"{flavour}_script.npz")
+    drafter = load_eagle3(DATA / flavour)
+    assert drafter.config.flavour == flavour
+    rows, drafts = scripted(drafter, script)
+    np.testing.assert_allclose(rows, script["logits"], atol=2e-4, rtol=1e-4)
+    assert drafts == script["drafts"].tolist()
+
+
+def test_greedy_rounds_match_deepspec_evaluator(target):
+    drafter = load_eagle3(DATA / "qwen3", target)
+    # The checkpoint's copies equal the target's: both are shared.
+    assert "embed_tokens" not in drafter and "lm_head" not in drafter
+    expected_logits = np.load(DATA / "qwen3_round_logits.npy")
+    for index, run in enumerate(ROUNDS["runs"]):
+        rounds = []
+        out, lengths = generate_chain(
+            target,
+            drafter,
+            run["prompt"],
+            ROUNDS["max_new_tokens"],
+            ROUNDS["ttt_length"],
+            rounds=rounds,
+        )
+        rows = [np.array(proposal.logits[0]) for proposal, _ in rounds]
+        drafts = [proposal.tokens[0].tolist() for proposal, _ in rounds]
+        assert out[: ROUNDS["max_new_tokens"]] == run["output"]
+        assert lengths == run["acceptance_lengths"]
+        assert drafts == run["drafts"]
+        if index == 0:
+            np.testing.assert_allclose(rows[:2], expected_logits, atol=2e-4)
+    every = [n for run in ROUNDS["runs"] for n in run["acceptance_lengths"]]
+    # Drafts are often, not always, accepted.
+    assert 2 < np.mean(every) < ROUNDS["ttt_length"] and min(every) == 1
+
+
+def test_speculators_checkpoint_drafts_as_the_deepspec_one(target):
+    raw = json.loads((DATA / "speculators_qwen3" / "config.json").read_text())
+    assert is_eagle3(raw) and is_eagle3_path(DATA / "speculators_qwen3")
+    drafter = load_eagle3(DATA / "speculators_qwen3", target)
+    config = drafter.config
+    assert config.reduced_vocab and config.draft_vocab_size == 23
+    assert config.target_layer_ids == [0, 1, 2, 3, 4]
+    eos = 22
+    expected = [i for i in range(24) if i != eos]
+    assert drafter.draft_to_target.tolist() == expected
+    assert drafter.lm_head.weight.shape == (23, 32)
+    reference = load_eagle3(DATA / "qwen3", target)
+    for run in ROUNDS["runs"]:
+        out, lengths = generate_chain(
+            target, drafter, run["prompt"], ROUNDS["max_new_tokens"], 7
+        )
+        assert out[:40] == run["output"] and lengths == run["acceptance_lengths"]
+    # The same rows on the draft vocabulary, nothing outside it.
+    cache, ref_cache = drafter.make_cache(), reference.make_cache()
+    features = mx.random.normal((1, 4, 160), key=mx.random.key(3))
+    tokens = mx.array([[3, 4, 2, 16]])
+    drafter.extend(cache, features, tokens, 0)
+    reference.extend(ref_cache, features, tokens, 0)
+    ours = np.array(drafter.draft(cache, tokens[:, -1], 4, 3, GREEDY).logits[0])
+    theirs = np.array(reference.draft(ref_cache, tokens[:, -1], 4, 3, GREEDY).logits[0])
+    assert np.all(np.isneginf(ours[:, eos]))
+    np.testing.assert_allclose(ours[:, expected], theirs[:, expected], atol=1e-5)
+
+
+def test_speculators_llama_layers_match_the_package():
+    reference = np.load(DATA / "speculators_llama.npz")
+    drafter = load_eagle3(DATA / "speculators_llama")
+    config = drafter.config
+    assert config.flavour == "llama" and config.norm_before_residual
+    assert config.target_layer_ids == [0, 2, 5] and len(drafter.layers) == 2
+    assert not drafter.layers[1].eagle
+    assert drafter.draft_to_target.tolist() == reference["draft_to_target"].tolist()
+    hidden = drafter(
+        drafter.project(mx.array(reference["features"])),
+        mx.array(reference["tokens"]),
+        0,
+    )
+    logits = np.array(drafter.logits(hidden)[0])
+    np.testing.assert_allclose(logits, reference["logits"], atol=2e-4, rtol=1e-4)
+
+
+def reduced_copy(source: Path, out: Path, dropped: list[int]) -> Path:
+    """``source`` (DeepSpec layout) with a reduced draft vocabulary in our own
+    layout: ``draft_vocab_size`` and a ``draft_to_target`` tensor."""
+    shutil.copytree(source, out)
+    config = json.loads((out / "config.json").read_text())
+    weights = mx.load(str(out / "model.safetensors"))
+    keep = [i for i in range(config["vocab_size"]) if i not in dropped]
+    weights["lm_head.weight"] = weights["lm_head.weight"][mx.array(keep)]
+    weights["draft_to_target"] = mx.array(keep, dtype=mx.int32)
+    config["draft_vocab_size"] = len(keep)
+    (out / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    return out
+
+
+SMALL = PairSpec(
+    vocab_size=10,
+    hidden_size=32,
+    num_layers=6,
+    num_heads=2,
+    num_kv_heads=2,
+    head_dim=16,
+    intermediate_size=64,
+    sharpness=0.8,
+    seed=1,
+)
+SAMPLING_PROMPT = [3, 1, 4]
+SEEDS = 1200
+
+
+@pytest.fixture(scope="module")
+def small_pair(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("small")
+    target_dir, drafter_dir = build_eagle3_pair(directory, SMALL)
+    model, _ = load_model(target_dir)
+    return model, drafter_dir
+
+
+@pytest.mark.parametrize(
+    "params,reduced",
+    [
+        (SamplingParams(temperature=1.0), False),
+        (SamplingParams(temperature=0.7, top_p=0.9, top_k=6), True),
+    ],
+)
+def test_sampling_is_exact(small_pair, tmp_path, params, reduced):
+    model, drafter_dir = small_pair
+    if reduced:
+        drafter_dir = reduced_copy(drafter_dir, tmp_path / "reduced", [2, 7])
+    drafter = load_eagle3(drafter_dir, model)
+    assert drafter.config.reduced_vocab == reduced
+    samples, accepted = Counter(), []
+    for seed in range(SEEDS):
+        out, lengths = generate_chain(
+            model, drafter, SAMPLING_PROMPT, 2, 3, params, seed=seed
+        )
+        samples[tuple(out[:3])] += 1
+        accepted.append(lengths[0])
+    joint = exact_joint(model, params, SAMPLING_PROMPT)
+    stat, dof = chi_square(samples, joint, SEEDS)
+    assert stat < chi_square_critical(dof), (stat, dof)
+    # The speculative path was taken: drafts kept in some rounds, not all.
+    assert 1 < np.mean(accepted) < 4
+
+
+class FlatRows:
+    """A drafter whose proposals claim uniform rows, not the ones drawn from."""
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+        self.config = drafter.config
+        self.make_cache, self.extend = drafter.make_cache, drafter.extend
+
+    def draft(self, *args, **kwargs):
+        proposal = self.drafter.draft(*args, **kwargs)
+        proposal.logits = mx.zeros_like(proposal.logits)
+        return proposal
+
+
+def test_a_biased_draft_row_fails_the_sampling_test(small_pair):
+    """The test above can fail: verifying against rows other than the ones
+    the drafts were drawn from biases the output."""
+    model, drafter_dir = small_pair
+    drafter = FlatRows(load_eagle3(drafter_dir, model))
+    params = SamplingParams(temperature=1.0)
+    samples = Counter()
+    for seed in range(SEEDS):
+        out, _ = generate_chain(
+            model, drafter, SAMPLING_PROMPT, 2, 3, params, seed=seed
+        )
+        samples[tuple(out[:3])] += 1
+    stat, dof = chi_square(samples, exact_joint(model, params, SAMPLING_PROMPT), SEEDS)
+    assert stat > chi_square_critical(dof)
+
+
+def test_dspark_configs_are_not_eagle3():
+    assert not is_eagle3({"architectures": ["Qwen3DSparkModel"]})
+    assert not is_eagle3({"speculators_model_type": "dspark"})
+    assert is_eagle3({"architectures": ["Gemma4Eagle3Model"]})
+
+
+def test_bad_checkpoints_get_one_sentence(tmp_path, target):
+    broken = tmp_path / "missing"
+    shutil.copytree(DATA / "qwen3", broken)
+    weights = mx.load(str(broken / "model.safetensors"))
+    del weights["layers.0.hidden_norm.weight"]
+    mx.save_safetensors(str(broken / "model.safetensors"), weights)
+    with pytest.raises(DSparkError, match="missing tensors: layers.0.hidden_norm"):
+        load_eagle3(broken)
+    config = json.loads((DATA / "qwen3" / "config.json").read_text())
+    wrong = tmp_path / "wrong"
+    shutil.copytree(DATA / "qwen3", wrong)
+    (wrong / "config.json").write_text(json.dumps({**config, "hidden_size": 48}))
+    with pytest.raises(DSparkError, match="hidden size 48"):
+        load_eagle3(wrong, target)
+    del config["target_layer_ids"]
+    (wrong / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DSparkError, match="missing target_layer_ids"):
+        load_eagle3(wrong)
+    no_map = tmp_path / "no_map"
+    shutil.copytree(DATA / "speculators_qwen3", no_map)
+    weights = mx.load(str(no_map / "model.safetensors"))
+    del weights["d2t"]
+    mx.save_safetensors(str(no_map / "model.safetensors"), weights)
+    with pytest.raises(DSparkError, match="has no d2t"):
+        load_eagle3(no_map, target)
+    with pytest.raises(DSparkError, match="not an EAGLE-3 drafter"):
+        load_eagle3(DATA / "target")
