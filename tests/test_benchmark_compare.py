@@ -92,8 +92,8 @@ def test_compare_n_and_temperatures(drafters, tmp_path, capsys, monkeypatch):
 
 @pytest.mark.xfail(
     strict=True,
-    reason="needs load_drafter to return EAGLE-3 drafters (wip-eagle3) and "
-    "stream_generate to run them (proposer loop, wip-proposers)",
+    reason="needs stream_generate to run EAGLE-3 drafters (the proposer loop of "
+    "wip-proposers with an EAGLE-3 proposer), then run_comparison's guard removed",
 )
 def test_eagle3_beside_dspark_and_dflash(drafters, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path / "cache"))

@@ -8,7 +8,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
 import test_train
@@ -16,7 +15,7 @@ from mlx_lm.generate import generate_step
 
 from mlx_dspark.data import Sequence
 from mlx_dspark.eagle3 import Eagle3Drafter
-from mlx_dspark.eagle3_config import Eagle3Config
+from mlx_dspark.eagle3_loading import is_eagle3_path, load_eagle3
 from mlx_dspark.errors import DSparkError
 from mlx_dspark.sampling import SamplingParams
 from mlx_dspark.target import TargetAdapter
@@ -70,25 +69,9 @@ def _tiny(model, ttt_length=3, draft_ids=None):
 
 
 def read_eagle3(path: Path, model) -> Eagle3Drafter:
-    """The written drafter as DeepSpec's layout describes it: config.json and
-    model.safetensors (target embedding and head shared when absent)."""
-    config = Eagle3Config.from_deepspec(json.loads((path / "config.json").read_text()))
-    weights = mx.load(str(path / "model.safetensors"))
-    drafter = Eagle3Drafter(config)
-    target = TargetAdapter(model, config.target_layer_ids)
-    if config.reduced_vocab:
-        drafter.share_embeddings(target.embed, None)
-        drafter.own_embeddings(embed=False, head=True)
-    else:
-        drafter.share_embeddings(target.embed, target.lm_head)
-    if config.quantization:
-        nn.quantize(
-            drafter,
-            **config.quantization,
-            class_predicate=lambda path, _: f"{path}.scales" in weights,
-        )
-    drafter.load_weights(list(weights.items()))
-    return drafter
+    """The written drafter through the EAGLE-3 loader (DeepSpec layout)."""
+    assert is_eagle3_path(path)
+    return load_eagle3(path, model)
 
 
 def greedy_accepted_length(model, drafter, n=4) -> float:
