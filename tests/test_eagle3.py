@@ -20,6 +20,7 @@ from mlx_dspark.convert.__main__ import main as convert_main
 from mlx_dspark.convert.eagle3 import convert_eagle3
 from mlx_lm.utils import load_model
 from test_sampling import chi_square, chi_square_critical, exact_joint
+from test_seed import PROMPT, SEEDS, SETTINGS, mlx_lm_tokens
 
 from mlx_dspark.eagle3_loading import is_eagle3, is_eagle3_path, load_eagle3
 from mlx_dspark.eagle3_structured import build_eagle3_pair
@@ -165,7 +166,7 @@ SMALL = PairSpec(
     seed=1,
 )
 SAMPLING_PROMPT = [3, 1, 4]
-SEEDS = 800
+SAMPLING_SEEDS = 800
 
 
 @pytest.fixture(scope="module")
@@ -190,17 +191,36 @@ def test_sampling_is_exact(small_pair, tmp_path, params, reduced):
     drafter = load_eagle3(drafter_dir, model)
     assert drafter.config.reduced_vocab == reduced
     samples, accepted = Counter(), []
-    for seed in range(SEEDS):
+    for seed in range(SAMPLING_SEEDS):
         out, lengths = generate_chain(
             model, drafter, SAMPLING_PROMPT, 2, 3, params, seed=seed
         )
         samples[tuple(out[:3])] += 1
         accepted.append(lengths[0])
     joint = exact_joint(model, params, SAMPLING_PROMPT)
-    stat, dof = chi_square(samples, joint, SEEDS)
+    stat, dof = chi_square(samples, joint, SAMPLING_SEEDS)
     assert stat < chi_square_critical(dof), (stat, dof)
     # The speculative path was taken: drafts kept in some rounds, not all.
     assert 1 < np.mean(accepted) < 4
+
+
+@pytest.mark.parametrize("name", ["t1", "t0.8-minp-k"])
+def test_seeded_coupled_output_is_mlx_lm_own(target, name):
+    """Coupled sampling with EAGLE-3 drafts commits mlx-lm's own tokens."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    tokenizer = load_tokenizer(DATA / "target")
+    drafter = load_eagle3(DATA / "qwen3", target)
+    params = SETTINGS[name]
+    kept = 0
+    for seed in SEEDS:
+        expected = mlx_lm_tokens(target, tokenizer, params, seed)
+        out, lengths = generate_chain(
+            target, drafter, PROMPT, len(expected), 7, params, seed, coupled=True
+        )
+        assert out[: len(expected)] == expected, seed
+        kept += sum(lengths) - len(lengths)
+    assert kept > 0
 
 
 class FlatRows:
@@ -223,7 +243,7 @@ def test_a_biased_draft_row_fails_the_sampling_test(small_pair):
     model, drafter_dir = small_pair
     drafter = FlatRows(load_eagle3(drafter_dir, model))
     params = SamplingParams(temperature=1.0)
-    samples, seeds = Counter(), SEEDS // 2
+    samples, seeds = Counter(), SAMPLING_SEEDS // 2
     for seed in range(seeds):
         out, _ = generate_chain(
             model, drafter, SAMPLING_PROMPT, 2, 3, params, seed=seed
