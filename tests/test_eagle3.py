@@ -9,6 +9,7 @@ examples/make_eagle3_fixtures.py from DeepSpec's ``Qwen3Eagle3Model`` /
 import json
 import shutil
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -23,10 +24,9 @@ from test_sampling import chi_square, chi_square_critical, exact_joint
 from test_seed import PROMPT, SEEDS, SETTINGS, mlx_lm_tokens
 
 from mlx_dspark.eagle3_loading import is_eagle3, is_eagle3_path, load_eagle3
-from mlx_dspark.eagle3_structured import build_eagle3_pair
+from mlx_dspark.eagle3_structured import EAGLE3_SPEC, build_eagle3_pair
 from mlx_dspark.errors import DSparkError
 from mlx_dspark.sampling import SamplingParams
-from mlx_dspark.structured import PairSpec
 
 DATA = Path(__file__).parent / "data" / "eagle3"
 ROUNDS = json.loads((DATA / "qwen3_rounds.json").read_text())
@@ -154,17 +154,7 @@ def reduced_copy(source: Path, out: Path, dropped: list[int]) -> Path:
     return out
 
 
-SMALL = PairSpec(
-    vocab_size=10,
-    hidden_size=32,
-    num_layers=6,
-    num_heads=2,
-    num_kv_heads=2,
-    head_dim=16,
-    intermediate_size=64,
-    sharpness=0.8,
-    seed=1,
-)
+SMALL = replace(EAGLE3_SPEC, vocab_size=10, sharpness=0.8, seed=1)
 SAMPLING_PROMPT = [3, 1, 4]
 SAMPLING_SEEDS = 800
 
