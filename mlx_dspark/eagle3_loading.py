@@ -13,7 +13,6 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten
 
 from .eagle3 import Eagle3Drafter
 from .eagle3_config import ARCHITECTURES, Eagle3Config
@@ -23,6 +22,7 @@ from .loading import (
     _shareable,
     _target_head_weight,
     dequantize_on_cpu,
+    load_checked_weights,
     read_config,
     read_weights,
     resolve_path,
@@ -106,25 +106,6 @@ def check_eagle3_pair(config: Eagle3Config, target: TargetAdapter) -> None:
         )
 
 
-def check_draft_to_target(table: mx.array, config: Eagle3Config) -> mx.array:
-    ids = np.array(table).astype(np.int64).reshape(-1)
-    if ids.size != config.draft_vocab_size:
-        raise DSparkError(
-            f"draft_to_target has {ids.size} entries, but draft_vocab_size is "
-            f"{config.draft_vocab_size}."
-        )
-    if (
-        ids.min() < 0
-        or ids.max() >= config.vocab_size
-        or np.unique(ids).size != ids.size
-    ):
-        raise DSparkError(
-            "draft_to_target must map draft ids to distinct target ids below "
-            f"{config.vocab_size}."
-        )
-    return mx.array(ids.astype(np.int32))
-
-
 def build_eagle3(
     config: Eagle3Config,
     weights: dict[str, mx.array],
@@ -168,36 +149,7 @@ def build_eagle3(
         weights.update(own_embed)
     if not share_head:
         weights.update(own_head)
-    if config.quantization:
-        q = config.quantization
-        nn.quantize(
-            drafter,
-            group_size=q["group_size"],
-            bits=q["bits"],
-            class_predicate=lambda p, m: f"{p}.scales" in weights,
-        )
-    expected = {k for k, _ in tree_flatten(drafter.parameters())}
-    missing = sorted(expected - set(weights))
-    if missing:
-        raise DSparkError(
-            f"The EAGLE-3 checkpoint is missing tensors: {', '.join(missing[:4])}."
-        )
-    unexpected = sorted(set(weights) - expected)
-    if unexpected:
-        raise DSparkError(
-            "The EAGLE-3 checkpoint has tensors this configuration does not use: "
-            f"{', '.join(unexpected[:4])}."
-        )
-    if config.reduced_vocab:
-        weights["draft_to_target"] = check_draft_to_target(
-            weights["draft_to_target"], config
-        )
-    try:
-        drafter.load_weights(list(weights.items()))
-    except ValueError as error:
-        raise DSparkError(
-            f"The EAGLE-3 drafter's tensor shapes do not match its config: {error}"
-        ) from None
+    load_checked_weights(drafter, weights, config, "EAGLE-3 drafter")
     if dequantize:
         dequantize_on_cpu(drafter)
     mx.eval(drafter.parameters())

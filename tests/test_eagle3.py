@@ -9,20 +9,24 @@ examples/make_eagle3_fixtures.py from DeepSpec's ``Qwen3Eagle3Model`` /
 import json
 import shutil
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from eagle3_chain import generate_chain
+from mlx_dspark.convert.__main__ import main as convert_main
+from mlx_dspark.convert.eagle3 import convert_eagle3
 from mlx_lm.utils import load_model
 from test_sampling import chi_square, chi_square_critical, exact_joint
+from test_seed import PROMPT, SEEDS, SETTINGS, mlx_lm_tokens
 
 from mlx_dspark.eagle3_loading import is_eagle3, is_eagle3_path, load_eagle3
-from mlx_dspark.eagle3_structured import build_eagle3_pair
+from mlx_dspark.eagle3_structured import EAGLE3_SPEC, build_eagle3_pair
 from mlx_dspark.errors import DSparkError
 from mlx_dspark.sampling import SamplingParams
-from mlx_dspark.structured import PairSpec
 
 DATA = Path(__file__).parent / "data" / "eagle3"
 ROUNDS = json.loads((DATA / "qwen3_rounds.json").read_text())
@@ -150,19 +154,9 @@ def reduced_copy(source: Path, out: Path, dropped: list[int]) -> Path:
     return out
 
 
-SMALL = PairSpec(
-    vocab_size=10,
-    hidden_size=32,
-    num_layers=6,
-    num_heads=2,
-    num_kv_heads=2,
-    head_dim=16,
-    intermediate_size=64,
-    sharpness=0.8,
-    seed=1,
-)
+SMALL = replace(EAGLE3_SPEC, vocab_size=10, sharpness=0.8, seed=1)
 SAMPLING_PROMPT = [3, 1, 4]
-SEEDS = 1200
+SAMPLING_SEEDS = 800
 
 
 @pytest.fixture(scope="module")
@@ -187,17 +181,36 @@ def test_sampling_is_exact(small_pair, tmp_path, params, reduced):
     drafter = load_eagle3(drafter_dir, model)
     assert drafter.config.reduced_vocab == reduced
     samples, accepted = Counter(), []
-    for seed in range(SEEDS):
+    for seed in range(SAMPLING_SEEDS):
         out, lengths = generate_chain(
             model, drafter, SAMPLING_PROMPT, 2, 3, params, seed=seed
         )
         samples[tuple(out[:3])] += 1
         accepted.append(lengths[0])
     joint = exact_joint(model, params, SAMPLING_PROMPT)
-    stat, dof = chi_square(samples, joint, SEEDS)
+    stat, dof = chi_square(samples, joint, SAMPLING_SEEDS)
     assert stat < chi_square_critical(dof), (stat, dof)
     # The speculative path was taken: drafts kept in some rounds, not all.
     assert 1 < np.mean(accepted) < 4
+
+
+@pytest.mark.parametrize("name", ["t1", "t0.8-minp-k"])
+def test_seeded_coupled_output_is_mlx_lm_own(target, name):
+    """Coupled sampling with EAGLE-3 drafts commits mlx-lm's own tokens."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    tokenizer = load_tokenizer(DATA / "target")
+    drafter = load_eagle3(DATA / "qwen3", target)
+    params = SETTINGS[name]
+    kept = 0
+    for seed in SEEDS:
+        expected = mlx_lm_tokens(target, tokenizer, params, seed)
+        out, lengths = generate_chain(
+            target, drafter, PROMPT, len(expected), 7, params, seed, coupled=True
+        )
+        assert out[: len(expected)] == expected, seed
+        kept += sum(lengths) - len(lengths)
+    assert kept > 0
 
 
 class FlatRows:
@@ -220,13 +233,13 @@ def test_a_biased_draft_row_fails_the_sampling_test(small_pair):
     model, drafter_dir = small_pair
     drafter = FlatRows(load_eagle3(drafter_dir, model))
     params = SamplingParams(temperature=1.0)
-    samples = Counter()
-    for seed in range(SEEDS):
+    samples, seeds = Counter(), SAMPLING_SEEDS // 2
+    for seed in range(seeds):
         out, _ = generate_chain(
             model, drafter, SAMPLING_PROMPT, 2, 3, params, seed=seed
         )
         samples[tuple(out[:3])] += 1
-    stat, dof = chi_square(samples, exact_joint(model, params, SAMPLING_PROMPT), SEEDS)
+    stat, dof = chi_square(samples, exact_joint(model, params, SAMPLING_PROMPT), seeds)
     assert stat > chi_square_critical(dof)
 
 
@@ -263,3 +276,67 @@ def test_bad_checkpoints_get_one_sentence(tmp_path, target):
         load_eagle3(no_map, target)
     with pytest.raises(DSparkError, match="not an EAGLE-3 drafter"):
         load_eagle3(DATA / "target")
+
+
+@pytest.mark.parametrize(
+    "source,bits,tolerance",
+    [("qwen3", 8, 0.05), ("speculators_qwen3", 4, 0.5), ("gemma4", 4, 0.5)],
+)
+def test_quantized_conversion_loads_back(tmp_path, source, bits, tolerance):
+    out = tmp_path / "quantized"
+    result = convert_eagle3(DATA / source, out, quantize=True, bits=bits, group_size=32)
+    assert result.bits == bits and "fc" in result.quantized
+    assert "layers.0.self_attn.q_proj" in result.quantized
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization"] == {"group_size": 32, "bits": bits}
+    assert is_eagle3(config) and "speculators_config" not in config
+    quantized = load_eagle3(out, dequantize=False)
+    assert isinstance(quantized.fc, nn.QuantizedLinear)
+    assert isinstance(quantized.layers[0].mlp.gate_proj, nn.QuantizedLinear)
+    assert quantized.config.reduced_vocab == (source == "speculators_qwen3")
+    script = np.load(DATA / f"{source.split('_')[-1]}_script.npz")
+    rows, drafts = scripted(load_eagle3(out), script)
+    reference, reference_drafts = scripted(load_eagle3(DATA / source), script)
+    finite = np.isfinite(reference)
+    assert np.array_equal(finite, np.isfinite(rows))
+    error = np.abs(rows[finite] - reference[finite]).max()
+    assert error < tolerance * np.abs(reference[finite]).max()
+    if bits == 8:
+        assert drafts == reference_drafts
+        # Re-converting the quantized output to float is lossless from there.
+        again = convert_eagle3(out, tmp_path / "float")
+        assert again.bits is None
+        np.testing.assert_allclose(
+            scripted(load_eagle3(tmp_path / "float"), script)[0], rows, atol=1e-5
+        )
+
+
+def test_convert_cli_writes_an_eagle3_draft(tmp_path, target, capsys):
+    out = tmp_path / "cli"
+    convert_main(
+        [
+            "--draft-model",
+            str(DATA / "speculators_llama"),
+            "--out",
+            str(out),
+            "-q",
+            "--q-group-size",
+            "32",
+        ]
+    )
+    assert "4-bit MLX EAGLE-3 drafter, llama" in capsys.readouterr().out
+    drafter = load_eagle3(out)
+    assert drafter.config.flavour == "llama" and drafter.config.norm_before_residual
+    assert not drafter.layers[1].eagle
+    with pytest.raises(SystemExit):
+        convert_main(
+            [
+                "--draft-model",
+                str(DATA / "qwen3"),
+                "--out",
+                str(out),
+                "--to",
+                "speculators",
+            ]
+        )
+    assert "does not apply to EAGLE-3" in capsys.readouterr().err
