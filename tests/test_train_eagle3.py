@@ -37,23 +37,10 @@ GREEDY = SamplingParams()
 
 
 def base_args(setup, out, **changes) -> TrainArgs:
-    root, target_dir, _, _, data = setup
-    args = TrainArgs(
-        model=str(target_dir),
-        data=[str(data)],
-        out=str(root / out),
-        kind="eagle3",
-        ttt_length=4,
-        steps=40,
-        batch_size=4,
-        seq_len=64,
-        layers=1,
-        lr=3e-3,
-        dtype="float32",
-        quiet=True,
-        log_every=5,
-    )
-    return replace(args, **changes)
+    """test_train's arguments (40 steps of 4 sequences of 64 tokens, one
+    layer, float32) for an EAGLE-3 drafter unrolled 4 steps."""
+    changes = {"kind": "eagle3", "ttt_length": 4, **changes}
+    return test_train.base_args(setup, out, **changes)
 
 
 def _tiny(model, ttt_length=3, draft_ids=None):
