@@ -244,6 +244,15 @@ def test_resume_equals_uninterrupted(setup):
         train(replace(parts, resume=True, ttt_length=3, force=True))
 
 
+def test_validation_measures_held_out_sequences(setup):
+    result = train(base_args(setup, "e-val", steps=4, val_sequences=4, val_every=2))
+    record = json.loads((result.out / "training_record.json").read_text())
+    steps = [row[0] for row in record["validation"]]
+    assert steps == [2, 4]
+    tau = record["validation_columns"].index("tau")
+    assert all(1.0 <= row[tau] <= 5.0 for row in record["validation"])
+
+
 def test_teacher_store_is_shared_with_dspark(setup, tmp_path):
     """One store serves both kinds (same data, taps and vocabulary)."""
     store = tmp_path / "store"
