@@ -26,6 +26,7 @@ from test_seed import PROMPT, SEEDS, SETTINGS, mlx_lm_tokens
 from mlx_dspark.eagle3_loading import is_eagle3, is_eagle3_path, load_eagle3
 from mlx_dspark.eagle3_structured import EAGLE3_SPEC, build_eagle3_pair
 from mlx_dspark.errors import DSparkError
+from mlx_dspark.loading import load_drafter
 from mlx_dspark.sampling import SamplingParams
 
 DATA = Path(__file__).parent / "data" / "eagle3"
@@ -276,6 +277,9 @@ def test_bad_checkpoints_get_one_sentence(tmp_path, target):
         load_eagle3(no_map, target)
     with pytest.raises(DSparkError, match="not an EAGLE-3 drafter"):
         load_eagle3(DATA / "target")
+    for source in ("qwen3", "speculators_qwen3"):
+        with pytest.raises(DSparkError, match="is an EAGLE-3 drafter"):
+            load_drafter(DATA / source, target)
 
 
 @pytest.mark.parametrize(
