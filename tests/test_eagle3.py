@@ -7,7 +7,10 @@ examples/make_eagle3_fixtures.py from DeepSpec's ``Qwen3Eagle3Model`` /
 """
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -344,3 +347,21 @@ def test_convert_cli_writes_an_eagle3_draft(tmp_path, target, capsys):
             ]
         )
     assert "does not apply to EAGLE-3" in capsys.readouterr().err
+
+
+def test_loads_from_a_hugging_face_repo_id(tmp_path):
+    """A repo id resolves through the hub cache (offline here), as DSpark
+    drafters' do."""
+    snapshot = tmp_path / "models--org--eagle3-tiny" / "snapshots" / ("0" * 40)
+    shutil.copytree(DATA / "speculators_llama", snapshot)
+    (tmp_path / "models--org--eagle3-tiny" / "refs").mkdir()
+    (tmp_path / "models--org--eagle3-tiny" / "refs" / "main").write_text("0" * 40)
+    code = (
+        "from mlx_dspark.eagle3_loading import load_eagle3;"
+        "print(load_eagle3('org/eagle3-tiny').config.flavour)"
+    )
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True
+    )
+    assert result.stdout.strip() == "llama", result.stderr
