@@ -26,7 +26,12 @@ from mlx_lm.utils import load_model
 from test_sampling import chi_square, chi_square_critical, exact_joint
 from test_seed import PROMPT, SEEDS, SETTINGS, mlx_lm_tokens
 
-from mlx_dspark.eagle3_loading import is_eagle3, is_eagle3_path, load_eagle3
+from mlx_dspark.eagle3_loading import (
+    is_eagle3,
+    is_eagle3_path,
+    load_eagle3,
+    read_eagle3_config,
+)
 from mlx_dspark.eagle3_structured import EAGLE3_SPEC, build_eagle3_pair
 from mlx_dspark.errors import DSparkError
 from mlx_dspark.loading import load_drafter
@@ -245,6 +250,18 @@ def test_a_biased_draft_row_fails_the_sampling_test(small_pair):
         samples[tuple(out[:3])] += 1
     stat, dof = chi_square(samples, exact_joint(model, params, SAMPLING_PROMPT), seeds)
     assert stat > chi_square_critical(dof)
+
+
+def test_speculators_config_defaults_are_vllm_s():
+    """Without taps the config takes speculators' default layers (2, L/2,
+    L-3 in its counting), and without norm_before_residual vLLM's True."""
+    raw = json.loads((DATA / "speculators_llama" / "config.json").read_text())
+    del raw["eagle_aux_hidden_state_layer_ids"], raw["norm_before_residual"]
+    with pytest.raises(DSparkError, match="load it with its target"):
+        read_eagle3_config(raw)
+    config = read_eagle3_config(raw, num_target_layers=12)
+    assert config.target_layer_ids == [1, 5, 8] and config.norm_before_residual
+    assert config.ttt_length == 7 and config.num_target_layers == 12
 
 
 def test_dspark_configs_are_not_eagle3():
