@@ -27,6 +27,7 @@ from test_sampling import chi_square, chi_square_critical, exact_joint
 from test_seed import PROMPT, SEEDS, SETTINGS, mlx_lm_tokens
 
 from mlx_dspark.eagle3_loading import (
+    build_eagle3,
     is_eagle3,
     is_eagle3_path,
     load_eagle3,
@@ -36,6 +37,7 @@ from mlx_dspark.eagle3_structured import EAGLE3_SPEC, build_eagle3_pair
 from mlx_dspark.errors import DSparkError
 from mlx_dspark.loading import load_drafter
 from mlx_dspark.sampling import SamplingParams
+from mlx_dspark.target import TargetAdapter
 
 DATA = Path(__file__).parent / "data" / "eagle3"
 ROUNDS = json.loads((DATA / "qwen3_rounds.json").read_text())
@@ -382,3 +384,30 @@ def test_loads_from_a_hugging_face_repo_id(tmp_path):
         [sys.executable, "-c", code], env=env, capture_output=True, text=True
     )
     assert result.stdout.strip() == "llama", result.stderr
+
+
+def test_gemma4_drafter_shares_a_gemma4_target_s_embedding_and_head():
+    """Sharing the target's (scaled) embedding and (soft-capped) head gives
+    the drafts own copies of them give."""
+    from test_gemma4 import tiny_gemma4
+
+    model = tiny_gemma4(seed=3)
+    adapter = TargetAdapter(model, [0, 1, 2, 3, 4])
+    raw = json.loads((DATA / "gemma4" / "config.json").read_text())
+    raw.update(vocab_size=16, num_target_layers=6, final_logit_softcapping=4.0)
+    config = read_eagle3_config(raw)
+    weights = dict(mx.load(str(DATA / "gemma4" / "model.safetensors")))
+    weights["embed_tokens.weight"] = adapter.embedding.weight
+    weights["lm_head.weight"] = adapter.head.weight
+    shared = build_eagle3(config, dict(weights), adapter)
+    assert "embed_tokens" not in shared and "lm_head" not in shared
+    own = build_eagle3(config, dict(weights), None)
+    features = mx.random.normal((1, 5, 160), key=mx.random.key(1))
+    tokens = mx.array([[3, 9, 1, 4, 12]])
+    rows = []
+    for drafter in (shared, own):
+        cache = drafter.make_cache()
+        drafter.extend(cache, features, tokens, 0)
+        rows.append(np.array(drafter.draft(cache, tokens[:, -1], 5, 4, GREEDY).logits))
+    np.testing.assert_allclose(rows[0], rows[1], atol=1e-5)
+    assert np.abs(rows[0]).max() <= 4.0
