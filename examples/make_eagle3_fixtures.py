@@ -30,8 +30,9 @@ What it writes (float32, about 0.6 MB):
   ``Eagle3DraftModel`` with a reduced draft vocabulary (all tokens but the
   end-of-sequence one, so ``d2t`` has a non-zero offset).
 * ``speculators_llama/`` and ``speculators_llama.npz``: a random two-layer
-  Llama-style speculators drafter (``norm_before_residual``, reduced
-  vocabulary) and the logits its own layer classes give on random features.
+  Llama-style speculators drafter (``norm_before_residual``, ``fc_norm``,
+  reduced vocabulary) and the logits its own modules give on random
+  features (checked against the greedy drafts of its own forward).
 """
 
 from __future__ import annotations
@@ -363,7 +364,9 @@ def speculators_llama(out: Path) -> dict:
     )
     rng = np.random.default_rng(5)
     ids = np.sort(rng.choice(vocab, size=24, replace=False))
-    spec = speculators_config(layer, ids.size, aux, norm_before_residual=True)
+    spec = speculators_config(
+        layer, ids.size, aux, norm_before_residual=True, fc_norm=True
+    )
     model = Eagle3DraftModel(spec).float().eval()
     randomize(model, seed=6)
     d2t, t2d = vocab_maps(ids, vocab)
@@ -375,7 +378,11 @@ def speculators_llama(out: Path) -> dict:
     features = torch.randn(1, length, len(aux) * d, generator=g)
     tokens = torch.randint(0, vocab, (1, length), generator=g)
     with torch.inference_mode():
-        hidden = model.fc(features)
+        chunks = features.chunk(len(aux), dim=-1)
+        normed = [
+            norm(chunk) for norm, chunk in zip(model.fc_norm, chunks, strict=True)
+        ]
+        hidden = model.fc(torch.cat(normed, dim=-1))
         x = torch.cat([model.embed_tokens(tokens), hidden], dim=-1)
         positions = torch.arange(length)[None]
         rope = model.rotary_emb(x, positions)
@@ -388,6 +395,15 @@ def speculators_llama(out: Path) -> dict:
                 position_embeddings=rope,
             )
         logits = model.lm_head(model.norm(x))
+        # The package's own (training) forward, one step: its greedy drafts.
+        drafts = model(
+            hidden_states=features,
+            input_ids=tokens,
+            document_ids=torch.zeros_like(tokens),
+            ttt_steps=1,
+        )[0]
+    if not torch.equal(drafts[0], logits[0].argmax(-1)):
+        raise SystemExit("the layer-by-layer reference disagrees with the package")
     save_speculators(model, out)
     return {
         "features": features.numpy(),

@@ -137,7 +137,7 @@ def test_speculators_llama_layers_match_the_package():
     reference = np.load(DATA / "speculators_llama.npz")
     drafter = load_eagle3(DATA / "speculators_llama")
     config = drafter.config
-    assert config.flavour == "llama" and config.norm_before_residual
+    assert config.flavour == "llama" and config.norm_before_residual and config.fc_norm
     assert config.target_layer_ids == [0, 2, 5] and len(drafter.layers) == 2
     assert not drafter.layers[1].eagle
     assert drafter.draft_to_target.tolist() == reference["draft_to_target"].tolist()
