@@ -33,6 +33,9 @@ What it writes (float32, about 0.6 MB):
   Llama-style speculators drafter (``norm_before_residual``, ``fc_norm``,
   reduced vocabulary) and the logits its own modules give on random
   features (checked against the greedy drafts of its own forward).
+* ``speculators_eagle31/`` and ``speculators_eagle31.npz``: a random
+  Qwen3-layer drafter with ``norm_before_fc`` and ``norm_output`` and the
+  greedy drafts of two training-time-test steps of the package's forward.
 """
 
 from __future__ import annotations
@@ -413,6 +416,49 @@ def speculators_llama(out: Path) -> dict:
     }
 
 
+def speculators_eagle31(out: Path) -> dict:
+    """A random Qwen3-layer speculators drafter with ``norm_before_fc`` and
+    ``norm_output`` (EAGLE 3.1) over the full vocabulary, and the greedy
+    drafts of two steps of its own forward: step two feeds back its normed
+    outputs with the next true tokens (teacher forcing)."""
+    from speculators.models.eagle3 import Eagle3DraftModel
+    from transformers import Qwen3Config
+
+    vocab, d, aux = 40, 32, [2, 4, 7]
+    layer = Qwen3Config(
+        hidden_size=d,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        vocab_size=vocab,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+    )
+    spec = speculators_config(layer, vocab, aux, norm_before_fc=True, norm_output=True)
+    model = Eagle3DraftModel(spec).float().eval()
+    randomize(model, seed=8)
+    g = torch.Generator().manual_seed(9)
+    length = 8
+    features = torch.randn(1, length, len(aux) * d, generator=g)
+    tokens = torch.randint(0, vocab, (1, length), generator=g)
+    with torch.inference_mode():
+        drafts = model(
+            hidden_states=features,
+            input_ids=tokens,
+            document_ids=torch.zeros_like(tokens),
+            ttt_steps=2,
+        )
+    save_speculators(model, out)
+    return {
+        "features": features.numpy(),
+        "tokens": tokens.numpy(),
+        "drafts": torch.cat(drafts).numpy(),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--deepspec", required=True, help="root of a DeepSpec copy")
@@ -449,6 +495,10 @@ def main() -> None:
     speculators_qwen3(out / "qwen3", out / "target", out / "speculators_qwen3")
     np.savez(
         out / "speculators_llama.npz", **speculators_llama(out / "speculators_llama")
+    )
+    np.savez(
+        out / "speculators_eagle31.npz",
+        **speculators_eagle31(out / "speculators_eagle31"),
     )
     total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(f"wrote {out} ({total / 1e6:.2f} MB)")

@@ -411,3 +411,24 @@ def test_gemma4_drafter_shares_a_gemma4_target_s_embedding_and_head():
         rows.append(np.array(drafter.draft(cache, tokens[:, -1], 5, 4, GREEDY).logits))
     np.testing.assert_allclose(rows[0], rows[1], atol=1e-5)
     assert np.abs(rows[0]).max() <= 4.0
+
+
+def test_eagle31_feeds_back_normed_outputs_as_the_package():
+    """norm_before_fc and norm_output (EAGLE 3.1): at every position, the
+    first draft and the draft after the next true token equal the two
+    training-time-test steps of speculators' own forward."""
+    reference = np.load(DATA / "speculators_eagle31.npz")
+    drafter = load_eagle3(DATA / "speculators_eagle31")
+    config = drafter.config
+    assert config.norm_before_fc and config.norm_output and not config.reduced_vocab
+    features = mx.array(reference["features"])
+    tokens = mx.array(reference["tokens"])
+    first, second = [], []
+    for p in range(tokens.shape[1] - 1):
+        cache = drafter.make_cache()
+        drafter.extend(cache, features[:, : p + 1], tokens[:, : p + 1], 0)
+        first.append(mx.argmax(drafter.logits(cache.hidden)).item())
+        hidden = drafter(cache.hidden, tokens[:, p + 1 : p + 2], p + 1, cache)
+        second.append(mx.argmax(drafter.logits(hidden)).item())
+    assert first == reference["drafts"][0, :-1].tolist()
+    assert second == reference["drafts"][1, :-1].tolist()
