@@ -11,7 +11,7 @@ deepseek-ai/DeepSpec (MIT) whose root holds ``deepspec/``::
     git -C DeepSpec archive HEAD deepspec | tar -x -C /tmp/deepspec
     /tmp/ref/bin/python examples/make_eagle3_fixtures.py --deepspec /tmp/deepspec
 
-What it writes (float32, about 0.6 MB):
+What it writes (float32, about 0.7 MB):
 
 * ``target/``: the structured Qwen3 target (an mlx-lm directory) and
   ``qwen3/``: its structured EAGLE-3 drafter in DeepSpec's layout
