@@ -11,7 +11,7 @@ deepseek-ai/DeepSpec (MIT) whose root holds ``deepspec/``::
     git -C DeepSpec archive HEAD deepspec | tar -x -C /tmp/deepspec
     /tmp/ref/bin/python examples/make_eagle3_fixtures.py --deepspec /tmp/deepspec
 
-What it writes (float32, about 0.6 MB):
+What it writes (float32, about 0.7 MB):
 
 * ``target/``: the structured Qwen3 target (an mlx-lm directory) and
   ``qwen3/``: its structured EAGLE-3 drafter in DeepSpec's layout
@@ -30,8 +30,12 @@ What it writes (float32, about 0.6 MB):
   ``Eagle3DraftModel`` with a reduced draft vocabulary (all tokens but the
   end-of-sequence one, so ``d2t`` has a non-zero offset).
 * ``speculators_llama/`` and ``speculators_llama.npz``: a random two-layer
-  Llama-style speculators drafter (``norm_before_residual``, reduced
-  vocabulary) and the logits its own layer classes give on random features.
+  Llama-style speculators drafter (``norm_before_residual``, ``fc_norm``,
+  reduced vocabulary) and the logits its own modules give on random
+  features (checked against the greedy drafts of its own forward).
+* ``speculators_eagle31/`` and ``speculators_eagle31.npz``: a random
+  Qwen3-layer drafter with ``norm_before_fc`` and ``norm_output`` and the
+  greedy drafts of two training-time-test steps of the package's forward.
 """
 
 from __future__ import annotations
@@ -363,7 +367,9 @@ def speculators_llama(out: Path) -> dict:
     )
     rng = np.random.default_rng(5)
     ids = np.sort(rng.choice(vocab, size=24, replace=False))
-    spec = speculators_config(layer, ids.size, aux, norm_before_residual=True)
+    spec = speculators_config(
+        layer, ids.size, aux, norm_before_residual=True, fc_norm=True
+    )
     model = Eagle3DraftModel(spec).float().eval()
     randomize(model, seed=6)
     d2t, t2d = vocab_maps(ids, vocab)
@@ -375,7 +381,11 @@ def speculators_llama(out: Path) -> dict:
     features = torch.randn(1, length, len(aux) * d, generator=g)
     tokens = torch.randint(0, vocab, (1, length), generator=g)
     with torch.inference_mode():
-        hidden = model.fc(features)
+        chunks = features.chunk(len(aux), dim=-1)
+        normed = [
+            norm(chunk) for norm, chunk in zip(model.fc_norm, chunks, strict=True)
+        ]
+        hidden = model.fc(torch.cat(normed, dim=-1))
         x = torch.cat([model.embed_tokens(tokens), hidden], dim=-1)
         positions = torch.arange(length)[None]
         rope = model.rotary_emb(x, positions)
@@ -388,12 +398,64 @@ def speculators_llama(out: Path) -> dict:
                 position_embeddings=rope,
             )
         logits = model.lm_head(model.norm(x))
+        # The package's own (training) forward, one step: its greedy drafts.
+        drafts = model(
+            hidden_states=features,
+            input_ids=tokens,
+            document_ids=torch.zeros_like(tokens),
+            ttt_steps=1,
+        )[0]
+    if not torch.equal(drafts[0], logits[0].argmax(-1)):
+        raise SystemExit("the layer-by-layer reference disagrees with the package")
     save_speculators(model, out)
     return {
         "features": features.numpy(),
         "tokens": tokens.numpy(),
         "logits": logits[0].numpy(),
         "draft_to_target": ids,
+    }
+
+
+def speculators_eagle31(out: Path) -> dict:
+    """A random Qwen3-layer speculators drafter with ``norm_before_fc`` and
+    ``norm_output`` (EAGLE 3.1) over the full vocabulary, and the greedy
+    drafts of two steps of its own forward: step two feeds back its normed
+    outputs with the next true tokens (teacher forcing)."""
+    from speculators.models.eagle3 import Eagle3DraftModel
+    from transformers import Qwen3Config
+
+    vocab, d, aux = 40, 32, [2, 4, 7]
+    layer = Qwen3Config(
+        hidden_size=d,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        vocab_size=vocab,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+    )
+    spec = speculators_config(layer, vocab, aux, norm_before_fc=True, norm_output=True)
+    model = Eagle3DraftModel(spec).float().eval()
+    randomize(model, seed=8)
+    g = torch.Generator().manual_seed(9)
+    length = 8
+    features = torch.randn(1, length, len(aux) * d, generator=g)
+    tokens = torch.randint(0, vocab, (1, length), generator=g)
+    with torch.inference_mode():
+        drafts = model(
+            hidden_states=features,
+            input_ids=tokens,
+            document_ids=torch.zeros_like(tokens),
+            ttt_steps=2,
+        )
+    save_speculators(model, out)
+    return {
+        "features": features.numpy(),
+        "tokens": tokens.numpy(),
+        "drafts": torch.cat(drafts).numpy(),
     }
 
 
@@ -433,6 +495,10 @@ def main() -> None:
     speculators_qwen3(out / "qwen3", out / "target", out / "speculators_qwen3")
     np.savez(
         out / "speculators_llama.npz", **speculators_llama(out / "speculators_llama")
+    )
+    np.savez(
+        out / "speculators_eagle31.npz",
+        **speculators_eagle31(out / "speculators_eagle31"),
     )
     total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(f"wrote {out} ({total / 1e6:.2f} MB)")

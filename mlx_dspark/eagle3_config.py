@@ -228,6 +228,8 @@ class Eagle3Config:
         values.update(
             {k: params[k] for k in _SPECULATORS_KEYS if params.get(k) is not None}
         )
+        # vLLM's default for a config that does not say.
+        values.setdefault("norm_before_residual", True)
         aux = params.get("eagle_aux_hidden_state_layer_ids")
         if aux is None:
             if num_target_layers is None:

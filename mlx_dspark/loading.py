@@ -372,6 +372,13 @@ def load_drafter(
     """Load a DeepSpec-format (or converted MLX) drafter, optionally for ``target``."""
     path = resolve_path(path_or_repo, "drafter")
     raw = read_config(path)
+    from .eagle3_loading import is_eagle3
+
+    if is_eagle3(raw):
+        raise DSparkError(
+            f"{path} is an EAGLE-3 drafter, which mlx_dspark.eagle3_loading."
+            "load_eagle3 loads; the generation loop does not take it yet."
+        )
     if "speculators_model_type" in raw or "speculators_config" in raw:
         raise DSparkError(
             f"{path} is a vLLM speculators checkpoint; convert it first with "

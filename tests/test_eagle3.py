@@ -7,7 +7,10 @@ examples/make_eagle3_fixtures.py from DeepSpec's ``Qwen3Eagle3Model`` /
 """
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -23,10 +26,18 @@ from mlx_lm.utils import load_model
 from test_sampling import chi_square, chi_square_critical, exact_joint
 from test_seed import PROMPT, SEEDS, SETTINGS, mlx_lm_tokens
 
-from mlx_dspark.eagle3_loading import is_eagle3, is_eagle3_path, load_eagle3
+from mlx_dspark.eagle3_loading import (
+    build_eagle3,
+    is_eagle3,
+    is_eagle3_path,
+    load_eagle3,
+    read_eagle3_config,
+)
 from mlx_dspark.eagle3_structured import EAGLE3_SPEC, build_eagle3_pair
 from mlx_dspark.errors import DSparkError
+from mlx_dspark.loading import load_drafter
 from mlx_dspark.sampling import SamplingParams
+from mlx_dspark.target import TargetAdapter
 
 DATA = Path(__file__).parent / "data" / "eagle3"
 ROUNDS = json.loads((DATA / "qwen3_rounds.json").read_text())
@@ -126,7 +137,7 @@ def test_speculators_llama_layers_match_the_package():
     reference = np.load(DATA / "speculators_llama.npz")
     drafter = load_eagle3(DATA / "speculators_llama")
     config = drafter.config
-    assert config.flavour == "llama" and config.norm_before_residual
+    assert config.flavour == "llama" and config.norm_before_residual and config.fc_norm
     assert config.target_layer_ids == [0, 2, 5] and len(drafter.layers) == 2
     assert not drafter.layers[1].eagle
     assert drafter.draft_to_target.tolist() == reference["draft_to_target"].tolist()
@@ -243,6 +254,18 @@ def test_a_biased_draft_row_fails_the_sampling_test(small_pair):
     assert stat > chi_square_critical(dof)
 
 
+def test_speculators_config_defaults_are_vllm_s():
+    """Without taps the config takes speculators' default layers (2, L/2,
+    L-3 in its counting), and without norm_before_residual vLLM's True."""
+    raw = json.loads((DATA / "speculators_llama" / "config.json").read_text())
+    del raw["eagle_aux_hidden_state_layer_ids"], raw["norm_before_residual"]
+    with pytest.raises(DSparkError, match="load it with its target"):
+        read_eagle3_config(raw)
+    config = read_eagle3_config(raw, num_target_layers=12)
+    assert config.target_layer_ids == [1, 5, 8] and config.norm_before_residual
+    assert config.ttt_length == 7 and config.num_target_layers == 12
+
+
 def test_dspark_configs_are_not_eagle3():
     assert not is_eagle3({"architectures": ["Qwen3DSparkModel"]})
     assert not is_eagle3({"speculators_model_type": "dspark"})
@@ -276,6 +299,9 @@ def test_bad_checkpoints_get_one_sentence(tmp_path, target):
         load_eagle3(no_map, target)
     with pytest.raises(DSparkError, match="not an EAGLE-3 drafter"):
         load_eagle3(DATA / "target")
+    for source in ("qwen3", "speculators_qwen3"):
+        with pytest.raises(DSparkError, match="is an EAGLE-3 drafter"):
+            load_drafter(DATA / source, target)
 
 
 @pytest.mark.parametrize(
@@ -340,3 +366,69 @@ def test_convert_cli_writes_an_eagle3_draft(tmp_path, target, capsys):
             ]
         )
     assert "does not apply to EAGLE-3" in capsys.readouterr().err
+
+
+def test_loads_from_a_hugging_face_repo_id(tmp_path):
+    """A repo id resolves through the hub cache (offline here), as DSpark
+    drafters' do."""
+    snapshot = tmp_path / "models--org--eagle3-tiny" / "snapshots" / ("0" * 40)
+    shutil.copytree(DATA / "speculators_llama", snapshot)
+    (tmp_path / "models--org--eagle3-tiny" / "refs").mkdir()
+    (tmp_path / "models--org--eagle3-tiny" / "refs" / "main").write_text("0" * 40)
+    code = (
+        "from mlx_dspark.eagle3_loading import load_eagle3;"
+        "print(load_eagle3('org/eagle3-tiny').config.flavour)"
+    )
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True
+    )
+    assert result.stdout.strip() == "llama", result.stderr
+
+
+def test_gemma4_drafter_shares_a_gemma4_target_s_embedding_and_head():
+    """Sharing the target's (scaled) embedding and (soft-capped) head gives
+    the drafts own copies of them give."""
+    from test_gemma4 import tiny_gemma4
+
+    model = tiny_gemma4(seed=3)
+    adapter = TargetAdapter(model, [0, 1, 2, 3, 4])
+    raw = json.loads((DATA / "gemma4" / "config.json").read_text())
+    raw.update(vocab_size=16, num_target_layers=6, final_logit_softcapping=4.0)
+    config = read_eagle3_config(raw)
+    weights = dict(mx.load(str(DATA / "gemma4" / "model.safetensors")))
+    weights["embed_tokens.weight"] = adapter.embedding.weight
+    weights["lm_head.weight"] = adapter.head.weight
+    shared = build_eagle3(config, dict(weights), adapter)
+    assert "embed_tokens" not in shared and "lm_head" not in shared
+    own = build_eagle3(config, dict(weights), None)
+    features = mx.random.normal((1, 5, 160), key=mx.random.key(1))
+    tokens = mx.array([[3, 9, 1, 4, 12]])
+    rows = []
+    for drafter in (shared, own):
+        cache = drafter.make_cache()
+        drafter.extend(cache, features, tokens, 0)
+        rows.append(np.array(drafter.draft(cache, tokens[:, -1], 5, 4, GREEDY).logits))
+    np.testing.assert_allclose(rows[0], rows[1], atol=1e-5)
+    assert np.abs(rows[0]).max() <= 4.0
+
+
+def test_eagle31_feeds_back_normed_outputs_as_the_package():
+    """norm_before_fc and norm_output (EAGLE 3.1): at every position, the
+    first draft and the draft after the next true token equal the two
+    training-time-test steps of speculators' own forward."""
+    reference = np.load(DATA / "speculators_eagle31.npz")
+    drafter = load_eagle3(DATA / "speculators_eagle31")
+    config = drafter.config
+    assert config.norm_before_fc and config.norm_output and not config.reduced_vocab
+    features = mx.array(reference["features"])
+    tokens = mx.array(reference["tokens"])
+    first, second = [], []
+    for p in range(tokens.shape[1] - 1):
+        cache = drafter.make_cache()
+        drafter.extend(cache, features[:, : p + 1], tokens[:, : p + 1], 0)
+        first.append(mx.argmax(drafter.logits(cache.hidden)).item())
+        hidden = drafter(cache.hidden, tokens[:, p + 1 : p + 2], p + 1, cache)
+        second.append(mx.argmax(drafter.logits(hidden)).item())
+    assert first == reference["drafts"][0, :-1].tolist()
+    assert second == reference["drafts"][1, :-1].tolist()
