@@ -279,24 +279,38 @@ def build_drafter(
         weights.update(own_embed)
     if not share_head:
         weights.update(own_head)
+    load_checked_weights(drafter, weights, config, "drafter")
+    dequantize_on_cpu(drafter)
+    mx.eval(drafter.parameters())
+    if drafter.markov_head is not None:
+        drafter.compile_greedy_chain()
+    return drafter
+
+
+def load_checked_weights(
+    module: nn.Module, weights: dict[str, mx.array], config, what: str
+) -> None:
+    """Quantize ``module`` as the checkpoint is (``config.quantization``), then
+    load ``weights``, refusing missing, unused or misshapen tensors and a bad
+    ``draft_to_target`` table in one sentence naming ``what`` was loaded."""
     if config.quantization:
         q = config.quantization
         nn.quantize(
-            drafter,
+            module,
             group_size=q["group_size"],
             bits=q["bits"],
             class_predicate=lambda p, m: f"{p}.scales" in weights,
         )
-    expected = {k for k, _ in tree_flatten(drafter.parameters())}
+    expected = {k for k, _ in tree_flatten(module.parameters())}
     missing = sorted(expected - set(weights))
     if missing:
         raise DSparkError(
-            f"The drafter checkpoint is missing tensors: {', '.join(missing[:4])}."
+            f"The {what} checkpoint is missing tensors: {', '.join(missing[:4])}."
         )
     unexpected = sorted(set(weights) - expected)
     if unexpected:
         raise DSparkError(
-            f"The drafter checkpoint has tensors this configuration does not use: "
+            f"The {what} checkpoint has tensors this configuration does not use: "
             f"{', '.join(unexpected[:4])}."
         )
     if config.reduced_vocab:
@@ -304,16 +318,11 @@ def build_drafter(
             weights["draft_to_target"], config
         )
     try:
-        drafter.load_weights(list(weights.items()))
+        module.load_weights(list(weights.items()))
     except ValueError as error:
         raise DSparkError(
-            f"The drafter's tensor shapes do not match its config: {error}"
+            f"The {what}'s tensor shapes do not match its config: {error}"
         ) from None
-    dequantize_on_cpu(drafter)
-    mx.eval(drafter.parameters())
-    if drafter.markov_head is not None:
-        drafter.compile_greedy_chain()
-    return drafter
 
 
 def dequantize_on_cpu(drafter: DSparkDrafter) -> None:
@@ -363,6 +372,13 @@ def load_drafter(
     """Load a DeepSpec-format (or converted MLX) drafter, optionally for ``target``."""
     path = resolve_path(path_or_repo, "drafter")
     raw = read_config(path)
+    from .eagle3_loading import is_eagle3
+
+    if is_eagle3(raw):
+        raise DSparkError(
+            f"{path} is an EAGLE-3 drafter, which mlx_dspark.eagle3_loading."
+            "load_eagle3 loads; the generation loop does not take it yet."
+        )
     if "speculators_model_type" in raw or "speculators_config" in raw:
         raise DSparkError(
             f"{path} is a vLLM speculators checkpoint; convert it first with "
