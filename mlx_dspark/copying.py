@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from .drafter import DrafterProposer, DSparkDrafter
+from .eagle3 import Eagle3Drafter, Eagle3Proposer
 from .lookup import PhraseStore, continuation, copy_for, offers
 from .proposers import Backlog, Offer, Proposal, Proposer, Round, point_mass
 
@@ -184,22 +185,34 @@ class CopyProposer:
         return self.inner.tree_source(state.inner, state.take(round))
 
 
-def copies(drafter: DSparkDrafter) -> bool:
+# What mlx_dspark.load returns as a pair's drafter: a DSpark (or DFlash)
+# drafter or an EAGLE-3 one.
+Drafter = DSparkDrafter | Eagle3Drafter
+
+
+def copies(drafter: Drafter) -> bool:
     """Whether a drafter's pair copies from the context (its config's
     ``context_copy_bias``)."""
     return drafter.config.context_copy_bias > 0
 
 
+def own_proposer(drafter: Drafter) -> Proposer:
+    """The drafter's own proposer, without copying."""
+    if isinstance(drafter, Eagle3Drafter):
+        return Eagle3Proposer(drafter)
+    return DrafterProposer(drafter)
+
+
 def pair_proposer(
-    drafter: DSparkDrafter,
+    drafter: Drafter,
     copy_draft: int | None = None,
     copy_as_is: bool = False,
 ) -> Proposer:
-    """The proposer a drafter's pair has: the drafter, composed with context
-    copying (and the ``phrases.npy`` store loading attached) when its config
-    has a copy bias. ``copy_draft`` and ``copy_as_is``: see
+    """The proposer a drafter's pair has: the drafter's own, composed with
+    context copying (and the ``phrases.npy`` store loading attached) when its
+    config has a copy bias. ``copy_draft`` and ``copy_as_is``: see
     :class:`CopyProposer`'s ``longest`` and ``as_is``."""
-    proposer = DrafterProposer(drafter)
+    proposer = own_proposer(drafter)
     if not copies(drafter):
         return proposer
     return CopyProposer(

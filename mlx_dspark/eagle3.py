@@ -9,6 +9,7 @@ token ``p`` with token ``p + 1`` at RoPE position ``p``: the drafter predicts
 token ``p + 2`` there. Its KV cache holds committed positions only; each
 proposal's own entries are cropped away, and the committed tokens are then
 ingested with the target's true features (:meth:`Eagle3Drafter.extend`).
+:class:`Eagle3Proposer` runs it in the generation loop.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from mlx_lm.models.activations import swiglu
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .coupled import TokenKey, mlx_lm_draw
-from .drafter import Proposal, top_logprob
 from .eagle3_config import Eagle3Config
+from .errors import DSparkError
+from .proposers import Proposal, Round, top_logprob
 from .sampling import SamplingParams, processed_logits
 
 
@@ -225,6 +227,13 @@ class Eagle3Drafter(nn.Module):
             self.freeze(keys=["draft_to_target"], recurse=False)
         self._shared_embed: Callable | None = None
         self._shared_head: Callable | None = None
+        # As DSparkDrafter's: the default policy of the last generation.
+        self.policy_memory = None
+
+    @property
+    def block_size(self) -> int:
+        """The most drafts a round proposes: the training-time-test length."""
+        return self.config.ttt_length
 
     # ----------------------------------------------------------- embeddings
     def own_embeddings(self, embed: bool = True, head: bool = True) -> None:
@@ -350,7 +359,8 @@ class Eagle3Drafter(nn.Module):
         """Ingest committed positions ``start .. start + L - 1``: their target
         features ``[1, L, feature_size]`` and the token after each ``[1, L]``.
 
-        Entries a proposal left past ``start`` are cropped first. After a
+        Entries past ``start`` (a proposal's, or committed ones ingested
+        again) are cropped first. After a
         prefill ``start`` is 0 and ``next_tokens`` are the prompt's tokens
         after the first plus the first generated token; after a round they
         are the accepted drafts and the verifier's token, with the features
@@ -358,11 +368,11 @@ class Eagle3Drafter(nn.Module):
         """
         if features.shape[1] != next_tokens.shape[1]:
             raise ValueError("one feature row per next token is required")
-        cache.crop(start)
-        if start != cache.length:
+        if start > cache.length:
             raise ValueError(
                 f"extension starts at {start} but the draft cache holds {cache.length}"
             )
+        cache.crop(start)
         hidden = self(self.project(features), next_tokens, start, cache)
         cache.hidden = hidden[:, -1:]
         cache.length = start + next_tokens.shape[1]
@@ -428,3 +438,32 @@ class Eagle3Drafter(nn.Module):
             return params
         inside = np.flatnonzero(np.isin(np.array(self.draft_to_target), special))
         return replace(params, xtc_special_tokens=tuple(inside.tolist()))
+
+
+class Eagle3Proposer:
+    """An :class:`Eagle3Drafter` as a :class:`~mlx_dspark.proposers.Proposer`:
+    each round ingests the newly committed positions (the feature of position
+    ``p`` with the token at ``p + 1``, :meth:`~mlx_dspark.proposers.Round.following`),
+    then drafts autoregressively up to the round's cap (at most the drafter's
+    :attr:`~Eagle3Drafter.block_size`). Chains only: trees refuse it."""
+
+    def __init__(self, drafter: Eagle3Drafter):
+        self.drafter = drafter
+
+    def make_state(self) -> Eagle3Cache:
+        return self.drafter.make_cache()
+
+    def propose(self, state: Eagle3Cache, round: Round) -> Proposal:
+        if round.features is not None:
+            m = round.features.shape[1]
+            following = mx.array([round.following()])
+            self.drafter.extend(state, round.features, following, round.start - m)
+        if state.length != round.start:
+            raise DSparkError(
+                f"The EAGLE-3 drafter holds {state.length} positions but the round "
+                f"drafts at {round.start}: every committed feature must reach it."
+            )
+        n = min(round.cap, self.drafter.block_size)
+        key = None if round.params.greedy else round.key
+        anchor = mx.array([round.anchor])
+        return self.drafter.draft(state, anchor, round.start, n, round.params, key)

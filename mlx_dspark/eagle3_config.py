@@ -99,6 +99,9 @@ class Eagle3Config:
     final_logit_softcapping: float | None = None
     rope_parameters: dict | None = None
     quantization: dict | None = None
+    # > 0: the pair copies from the context (and its phrase store). EAGLE-3
+    # rows are not biased: copies go on past its drafts or replace them.
+    context_copy_bias: float = 0.0
     raw: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -260,7 +263,7 @@ class Eagle3Config:
             if name in ("raw", "flavour"):
                 continue
             value = getattr(self, name)
-            if value is not None:
+            if value is not None and (value or name != "context_copy_bias"):
                 out[name] = value
         return out
 

@@ -13,8 +13,8 @@ import mlx.nn as nn
 from mlx_lm.generate import GenerationResponse
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .copying import Drafter
 from .coupled import own_keys, resolve_sampling
-from .drafter import DSparkDrafter
 from .errors import DSparkError
 from .loop import GenerationStats, speculative_generate_step
 from .policies import resolve_policy
@@ -75,7 +75,7 @@ def _target_only_tokens(model, prompt, params: SamplingParams, max_tokens: int, 
 def stream_generate(
     model: nn.Module,
     tokenizer: Any,
-    drafter: DSparkDrafter | None,
+    drafter: Drafter | None,
     prompt: str | list[int] | mx.array,
     max_tokens: int = 256,
     temperature: float = 0.0,
@@ -279,7 +279,7 @@ def format_stats(response: DSparkResponse) -> list[str]:
 def generate(
     model: nn.Module,
     tokenizer: Any,
-    drafter: DSparkDrafter | None,
+    drafter: Drafter | None,
     prompt: str | list[int] | mx.array,
     verbose: bool = False,
     **kwargs,

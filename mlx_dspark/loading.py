@@ -1,4 +1,5 @@
-"""Load a target and a DSpark drafter, and check that they belong together."""
+"""Load a target and a drafter (DSpark, DFlash or EAGLE-3), and check that they
+belong together."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .config import DraftConfig
+from .copying import Drafter
 from .coupled import own_keys
 from .drafter import DSparkDrafter
+from .eagle3_config import Eagle3Config
 from .errors import DSparkError
 from .lookup import PHRASES_FILE, PhraseStore
 from .target import TargetAdapter
@@ -165,12 +168,16 @@ def check_adapter(path: Path) -> None:
 
 
 def is_dspark_drafter(path_or_repo: str | Path) -> bool:
-    """Whether a draft model is a DSpark drafter (by its config's architectures),
-    rather than an ordinary mlx-lm model for mlx-lm's own speculative decoding."""
+    """Whether a draft model is one this package's loop runs (a DSpark, DFlash
+    or EAGLE-3 drafter, by its config), rather than an ordinary mlx-lm model
+    for mlx-lm's own speculative decoding."""
+    from .eagle3_loading import is_eagle3
+
     config = read_config(resolve_path(path_or_repo, "draft model"))
     architectures = config.get("architectures") or []
     speculators = "speculators_model_type" in config or "speculators_config" in config
-    return speculators or any("DSpark" in str(a) for a in architectures)
+    dspark = any("DSpark" in str(a) for a in architectures)
+    return speculators or dspark or is_eagle3(config)
 
 
 def read_weights(path: Path) -> dict[str, mx.array]:
@@ -366,19 +373,18 @@ def _target_head_weight(target: TargetAdapter) -> mx.array:
     return target.head.weight
 
 
-def load_drafter(
-    path_or_repo: str | Path, target: nn.Module | None = None
-) -> DSparkDrafter:
-    """Load a DeepSpec-format (or converted MLX) drafter, optionally for ``target``."""
+def load_drafter(path_or_repo: str | Path, target: nn.Module | None = None) -> Drafter:
+    """Load a DeepSpec-format (or converted MLX) drafter, optionally for
+    ``target``: a DSpark (or DFlash) drafter, or an EAGLE-3 one (DeepSpec,
+    speculators or MLX, :func:`~mlx_dspark.eagle3_loading.load_eagle3`)."""
     path = resolve_path(path_or_repo, "drafter")
     raw = read_config(path)
-    from .eagle3_loading import is_eagle3
+    from .eagle3_loading import is_eagle3, load_eagle3
 
     if is_eagle3(raw):
-        raise DSparkError(
-            f"{path} is an EAGLE-3 drafter, which mlx_dspark.eagle3_loading."
-            "load_eagle3 loads; the generation loop does not take it yet."
-        )
+        drafter = load_eagle3(path, target)
+        attach_phrase_store(drafter, path)
+        return drafter
     if "speculators_model_type" in raw or "speculators_config" in raw:
         raise DSparkError(
             f"{path} is a vLLM speculators checkpoint; convert it first with "
@@ -391,16 +397,20 @@ def load_drafter(
         check_pair(config, adapter)
     drafter = build_drafter(config, read_weights(path), adapter)
     drafter.source_path = path
-    # The pair's phrase store rides with the drafter it was written beside;
-    # the copy proposer reads it (copying.pair_proposer).
-    phrases = path / PHRASES_FILE
-    drafter.phrase_store = None
-    if phrases.exists():
-        drafter.phrase_store = read_phrase_store(phrases, config)
+    attach_phrase_store(drafter, path)
     return drafter
 
 
-def read_phrase_store(file: Path, config: DraftConfig) -> PhraseStore:
+def attach_phrase_store(drafter: Drafter, path: Path) -> None:
+    """The pair's phrase store rides with the drafter it was written beside;
+    the copy proposer reads it (:func:`~mlx_dspark.copying.pair_proposer`)."""
+    phrases = path / PHRASES_FILE
+    drafter.phrase_store = None
+    if phrases.exists():
+        drafter.phrase_store = read_phrase_store(phrases, drafter.config)
+
+
+def read_phrase_store(file: Path, config: DraftConfig | Eagle3Config) -> PhraseStore:
     """A drafter's :class:`~mlx_dspark.lookup.PhraseStore`, checked against
     its target vocabulary."""
     try:
@@ -425,7 +435,8 @@ def load(
     trust_remote_code: bool = False,
     pair: str | None = None,
 ):
-    """Load ``(model, tokenizer, drafter)``; ``drafter`` is None without ``draft_model``.
+    """Load ``(model, tokenizer, drafter)``; ``drafter`` is None without
+    ``draft_model``, else a DSpark (or DFlash) or EAGLE-3 drafter.
 
     With no ``target`` this loads a built-in pair: ``pair`` names it
     (``"smollm2-135m"``, ``"gemma3-270m"``; see ``default.py`` and

@@ -90,11 +90,6 @@ def test_compare_n_and_temperatures(drafters, tmp_path, capsys, monkeypatch):
     assert records[1]["num_draft"] == 3 and records[1]["lossless"] is True
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs stream_generate to run EAGLE-3 drafters (the proposer loop of "
-    "wip-proposers with an EAGLE-3 proposer), then run_comparison's guard removed",
-)
 def test_eagle3_beside_dspark_and_dflash(drafters, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path / "cache"))
     target_dir, dspark_dir, dflash_dir, eagle3_dir = drafters

@@ -7,8 +7,8 @@ interleaved :func:`~.measure.measure`, so that machine noise falls on every
 drafter alike. Each drafter row reports its mean accepted length, acceptance
 by position, speed against the target alone at the same temperature and
 whether its output equals the target's (seeded sampling is lossless token
-for token). A drafter is whatever the drafter loader returns: DSpark and
-DFlash drafters today, EAGLE-3 once the loop takes it.
+for token). A drafter is whatever the drafter loader returns: a DSpark,
+DFlash or EAGLE-3 drafter.
 """
 
 from __future__ import annotations

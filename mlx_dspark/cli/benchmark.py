@@ -567,7 +567,6 @@ def run_comparison(
     args, prompt_name: str, texts: list[str], console: Console, err: Console
 ) -> None:
     """``--compare``: the drafters side by side for one target."""
-    from ..eagle3_loading import is_eagle3_path
     from ..loading import load, load_drafter
 
     target = args.model if args.model is not None else default_pair()[0]
@@ -575,13 +574,6 @@ def run_comparison(
     contenders = []
     for value in args.compare:
         name, path = parse_contender(value)
-        if is_eagle3_path(path):
-            # Until stream_generate runs EAGLE-3 drafters (the proposer loop);
-            # remove with the xfail of test_eagle3_beside_dspark_and_dflash.
-            raise DSparkError(
-                f"{path} is an EAGLE-3 drafter, which the generation loop does not "
-                "run yet; compare the others without it."
-            )
         contenders.append(Contender(name, load_drafter(path, model)))
     temperatures = _float_list(args.temperatures, "--temperatures")
     variants = compare_variants(contenders, args.compare_n, temperatures, args.seed)
