@@ -20,6 +20,7 @@ import numpy as np
 from .drafter import DrafterProposer, DSparkDrafter
 from .eagle3 import Eagle3Drafter, Eagle3Proposer
 from .lookup import PhraseStore, continuation, copy_for, offers
+from .modes import tree_source
 from .proposers import Backlog, Offer, Proposal, Proposer, Round, point_mass
 
 
@@ -182,7 +183,7 @@ class CopyProposer:
 
     def tree_source(self, state: Backlog, round: Round):
         """Trees do not copy: the inner proposer's tree rows."""
-        return self.inner.tree_source(state.inner, state.take(round))
+        return tree_source(self.inner)(state.inner, state.take(round))
 
 
 # What mlx_dspark.load returns as a pair's drafter: a DSpark (or DFlash)

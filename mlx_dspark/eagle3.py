@@ -14,7 +14,6 @@ ingested with the target's true features (:meth:`Eagle3Drafter.extend`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
@@ -28,6 +27,7 @@ from .eagle3_config import Eagle3Config
 from .errors import DSparkError
 from .proposers import Proposal, Round, top_logprob
 from .sampling import SamplingParams, processed_logits
+from .vocabulary import DraftVocabulary
 
 
 @dataclass
@@ -197,7 +197,7 @@ class Eagle3Layer(nn.Module):
         return h * self.layer_scalar
 
 
-class Eagle3Drafter(nn.Module):
+class Eagle3Drafter(DraftVocabulary, nn.Module):
     """The EAGLE-3 draft model. Parameter names follow DeepSpec's checkpoints:
     ``fc``, ``layers.{i}.{hidden_norm, input_layernorm, self_attn.*, mlp.*,
     post_attention_layernorm}``, ``norm``, and ``embed_tokens`` / ``lm_head``
@@ -225,8 +225,6 @@ class Eagle3Drafter(nn.Module):
         if config.reduced_vocab:
             self.draft_to_target = mx.arange(config.draft_vocab_size, dtype=mx.int32)
             self.freeze(keys=["draft_to_target"], recurse=False)
-        self._shared_embed: Callable | None = None
-        self._shared_head: Callable | None = None
         # As DSparkDrafter's: the default policy of the last generation.
         self.policy_memory = None
 
@@ -234,44 +232,6 @@ class Eagle3Drafter(nn.Module):
     def block_size(self) -> int:
         """The most drafts a round proposes: the training-time-test length."""
         return self.config.ttt_length
-
-    # ----------------------------------------------------------- embeddings
-    def own_embeddings(self, embed: bool = True, head: bool = True) -> None:
-        """Give the drafter its own embedding and/or LM head (checkpoint copies);
-        with a reduced draft vocabulary the head has ``draft_vocab_size`` rows."""
-        c = self.config
-        if embed:
-            self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-            self._shared_embed = None
-        if head:
-            self.lm_head = nn.Linear(c.hidden_size, c.output_vocab_size, bias=False)
-            self._shared_head = None
-
-    def share_embeddings(
-        self,
-        embed: Callable[[mx.array], mx.array] | None,
-        lm_head: Callable[[mx.array], mx.array] | None,
-    ) -> None:
-        """Use the target's embedding and/or LM head (``None`` leaves that part)."""
-        if lm_head is not None and self.config.reduced_vocab:
-            raise ValueError("a reduced-vocabulary drafter needs its own LM head")
-        for name, shared in (("embed_tokens", embed), ("lm_head", lm_head)):
-            if shared is not None and name in self:
-                del self[name]
-        if embed is not None:
-            self._shared_embed = embed
-        if lm_head is not None:
-            self._shared_head = lm_head
-
-    def embed(self, tokens: mx.array) -> mx.array:
-        """Token embeddings (target ids); Gemma-4 scales them by ``sqrt(d)``."""
-        if self._shared_embed is None:
-            h = self.embed_tokens(tokens)
-        else:
-            h = self._shared_embed(tokens)
-        if self.config.is_gemma4:
-            h = h * mx.array(self.config.hidden_size**0.5, dtype=h.dtype)
-        return h
 
     def project(self, features: mx.array) -> mx.array:
         """``fc`` of the concatenated target features ``[B, L, feature_size]``
@@ -287,26 +247,9 @@ class Eagle3Drafter(nn.Module):
 
     def logits(self, hidden: mx.array) -> mx.array:
         """Draft-vocabulary logits of the drafter's hidden states (after
-        ``norm``, unless ``norm_output`` normed them already); Gemma-4
-        soft-caps them (a shared Gemma-4 head caps already)."""
+        ``norm``, unless ``norm_output`` normed them already)."""
         h = hidden if self.config.norm_output else self.norm(hidden)
-        if self._shared_head is not None:
-            return self._shared_head(h)
-        logits = self.lm_head(h)
-        cap = self.config.final_logit_softcapping
-        if self.config.is_gemma4 and cap:
-            logits = mx.tanh(logits / cap) * cap
-        return logits
-
-    def to_target(self, logits: mx.array) -> mx.array:
-        """Draft-vocabulary rows scattered into the target vocabulary (``-inf``
-        outside a reduced draft vocabulary)."""
-        if not self.config.reduced_vocab:
-            return logits
-        shape = (*logits.shape[:-1], self.config.vocab_size)
-        full = mx.full(shape, -mx.inf, dtype=logits.dtype)
-        index = mx.broadcast_to(self.draft_to_target, logits.shape)
-        return mx.put_along_axis(full, index, logits, axis=-1)
+        return self.head(h)
 
     def target_ids(self, draft_ids: mx.array) -> mx.array:
         if not self.config.reduced_vocab:

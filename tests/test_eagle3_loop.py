@@ -33,13 +33,13 @@ from test_sampling import (
 from test_seed import SEEDS, SETTINGS, dspark_tokens, mlx_lm_tokens, served, served_as
 
 import mlx_dspark
+from mlx_dspark.calibrate import calibrate_pair
 from mlx_dspark.eagle3 import Eagle3Drafter, Eagle3Proposer
 from mlx_dspark.errors import DSparkError
 from mlx_dspark.generation import stream_generate
 from mlx_dspark.loading import load_drafter
 from mlx_dspark.lookup import PhraseStore
 from mlx_dspark.loop import GenerationStats, ThresholdPolicy, speculative_generate_step
-from mlx_dspark.modes import TreeMode
 from mlx_dspark.policies import MonitoredPolicy
 from mlx_dspark.proposers import Proposal, Round
 from mlx_dspark.sampling import SamplingParams
@@ -227,14 +227,10 @@ def test_mixed_proposers_stay_greedy_identical(pair):
 
 
 def test_trees_refuse_the_eagle3_proposer(pair):
-    model, _, drafter = pair
-    target = TargetAdapter(model, drafter.config.target_layer_ids)
-    steps = speculative_generate_step(
-        mx.array([1, 2, 3]), target, drafter, num_draft=4, max_tokens=8,
-        mode=TreeMode(8),
-    )  # fmt: skip
-    with pytest.raises(DSparkError, match="chain"):
-        list(steps)
+    model, tokenizer, drafter = pair
+    tree = stream_generate(model, tokenizer, drafter, [1, 2, 3], 8, tree_budget=8)
+    with pytest.raises(DSparkError, match="Eagle3Proposer proposes chains only"):
+        list(tree)
 
 
 def generate_cli(*args: str) -> subprocess.CompletedProcess:
@@ -287,3 +283,9 @@ def test_server_takes_an_eagle3_drafter(pair):
         assert engine.stats.drafts_accepted > 0  # its drafts were verified
     finally:
         engine.stop()
+
+
+def test_calibration_names_the_missing_confidence_head(pair):
+    model, tokenizer, drafter = pair
+    with pytest.raises(DSparkError, match="no confidence head to calibrate"):
+        calibrate_pair(model, tokenizer, drafter, rounds=10, plot=False)

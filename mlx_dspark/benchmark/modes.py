@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..drafter import DSparkDrafter
+from ..copying import Drafter, own_proposer
 from ..errors import DSparkError
 from ..generation import stream_generate
 from ..loop import GenerationStats, RoundStats
@@ -25,7 +25,7 @@ class Pair:
 
     model: nn.Module
     tokenizer: Any
-    drafter: DSparkDrafter | None
+    drafter: Drafter | None
     label: str
     synthetic: bool = False
     mlx_lm_draft: nn.Module | None = None
@@ -245,7 +245,10 @@ def _default_modes(pair: Pair, settings: Settings) -> list[Variant]:
 
 
 def _tree_modes(pair: Pair, settings: Settings) -> list[Variant]:
-    if not pair.adapter.supports_tree:
+    # Trees need a target that verifies them and a proposer with tree rows
+    # (EAGLE-3 proposes chains only).
+    proposer = own_proposer(pair.drafter)
+    if not pair.adapter.supports_tree or not hasattr(proposer, "tree_source"):
         return []
     return [
         dspark_variant(
@@ -290,7 +293,7 @@ def select_variants(pair: Pair, settings: Settings, names: list[str]) -> list[Va
     return variants
 
 
-def make_useless(drafter: DSparkDrafter) -> None:
+def make_useless(drafter: Drafter) -> None:
     """Random weights, and no calibration: the one beside the drafter's
     directory was measured on its real weights."""
     randomize_weights(drafter)

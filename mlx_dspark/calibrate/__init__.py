@@ -279,6 +279,11 @@ def calibrate_pair(
     """Collect rounds, fit STS, save; returns (result, json path, png path)."""
     if rounds < 1:
         raise DSparkError(f"--rounds must be at least 1, got {rounds}.")
+    if getattr(drafter, "confidence_head", None) is None:
+        raise DSparkError(
+            "The drafter has no confidence head to calibrate (an EAGLE-3 or "
+            "DFlash drafter); the default policy runs it as it is."
+        )
     encoded = encode_prompts(tokenizer, prompts or BUILTIN_PROMPTS)
     records, groups = collect_records(
         model, drafter, encoded, rounds, params, max_tokens, seed, progress

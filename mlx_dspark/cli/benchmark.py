@@ -236,7 +236,9 @@ def benchmark(
         None, "--model", help="Target model path or Hugging Face repo."
     ),
     draft_model: str | None = typer.Option(
-        None, "--draft-model", help="DSpark drafter path or Hugging Face repo."
+        None,
+        "--draft-model",
+        help="DSpark, DFlash or EAGLE-3 drafter path or Hugging Face repo.",
     ),
     mlx_lm_draft_model: str | None = typer.Option(
         None,
