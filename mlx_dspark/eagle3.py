@@ -383,6 +383,7 @@ class Eagle3Drafter(DraftVocabulary, nn.Module):
         return replace(params, xtc_special_tokens=tuple(inside.tolist()))
 
 
+@dataclass
 class Eagle3Proposer:
     """An :class:`Eagle3Drafter` as a :class:`~mlx_dspark.proposers.Proposer`:
     each round ingests the newly committed positions (the feature of position
@@ -390,8 +391,7 @@ class Eagle3Proposer:
     then drafts autoregressively up to the round's cap (at most the drafter's
     :attr:`~Eagle3Drafter.block_size`). Chains only: trees refuse it."""
 
-    def __init__(self, drafter: Eagle3Drafter):
-        self.drafter = drafter
+    drafter: Eagle3Drafter
 
     def make_state(self) -> Eagle3Cache:
         return self.drafter.make_cache()
