@@ -223,6 +223,7 @@ class DSparkDrafter(DraftVocabulary, nn.Module):
             # Target id of each draft id (a reduced draft vocabulary).
             self.draft_to_target = mx.arange(config.draft_vocab_size, dtype=mx.int32)
             self.freeze(keys=["draft_to_target"], recurse=False)
+        self.init_vocabulary()
         self._compiled_chain: dict[type, Callable] | None = None
         # The default policy of this drafter's last generation, whose
         # measurements (costs, acceptance) the next generation starts from.

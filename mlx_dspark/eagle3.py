@@ -225,6 +225,7 @@ class Eagle3Drafter(DraftVocabulary, nn.Module):
         if config.reduced_vocab:
             self.draft_to_target = mx.arange(config.draft_vocab_size, dtype=mx.int32)
             self.freeze(keys=["draft_to_target"], recurse=False)
+        self.init_vocabulary()
         # As DSparkDrafter's: the default policy of the last generation.
         self.policy_memory = None
 

@@ -17,8 +17,10 @@ class DraftVocabulary:
     ``final_logit_softcapping``) and, with a reduced draft vocabulary,
     ``draft_to_target`` (the target id of each draft id)."""
 
-    _shared_embed: Callable[[mx.array], mx.array] | None = None
-    _shared_head: Callable[[mx.array], mx.array] | None = None
+    def init_vocabulary(self) -> None:
+        """No shared embedding or head yet (call in ``__init__``)."""
+        self._shared_embed: Callable[[mx.array], mx.array] | None = None
+        self._shared_head: Callable[[mx.array], mx.array] | None = None
 
     def own_embeddings(self, embed: bool = True, head: bool = True) -> None:
         """Give the drafter its own embedding and/or LM head (checkpoint copies).
