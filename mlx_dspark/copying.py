@@ -124,8 +124,8 @@ def copied_proposal(copy: mx.array, vocab_size: int) -> Proposal:
 @dataclass
 class CopyProposer:
     """Context copying and the phrase store composed with ``inner``: a
-    :class:`~mlx_dspark.drafter.DrafterProposer`, whose rows a copy biases
-    by ``bias``, or any other proposer, which copies only extend past its
+    drafter's proposer (DSpark's or EAGLE-3's), whose rows a copy biases by
+    ``bias``, or any other proposer, which copies only extend past its
     drafts or replace (``as_is``).
 
     ``longest``: drafts at most in a round offered a copy (None: the
@@ -171,7 +171,7 @@ class CopyProposer:
             state.skip(round)
             return copied_proposal(copy, self.vocab_size)
         inner_round = state.take(round)
-        if isinstance(self.inner, DrafterProposer):
+        if isinstance(self.inner, DrafterProposer | Eagle3Proposer):
             block = copy[:, : self.inner.drafter.block_size]
             bias = CopyBias(block, mx.array(self.bias, mx.float32))
             proposal = self.inner.propose(state.inner, inner_round, bias)

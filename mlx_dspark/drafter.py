@@ -10,11 +10,10 @@ recomputed each round and never stored.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.rope_utils import initialize_rope
 
@@ -425,21 +424,6 @@ class DSparkDrafter(DraftVocabulary, nn.Module):
             proposal = bias.finish(proposal, rows, self.draft_ids())
         return proposal
 
-    def _in_draft_vocab(self, params: SamplingParams) -> SamplingParams:
-        """``params`` for processing draft-vocabulary rows: XTC's special
-        tokens as draft positions.
-
-        Sampled drafts are drawn from their short rows processed (a top-p sort
-        over 4,096 tokens instead of 49,152); tokens outside the draft
-        vocabulary have probability 0 either way, and the drafts are verified
-        against these very weights, so sampling stays exact.
-        """
-        special = params.xtc_special_tokens
-        if not (self.config.reduced_vocab and special):
-            return params
-        inside = np.flatnonzero(np.isin(np.array(self.draft_to_target), special))
-        return replace(params, xtc_special_tokens=tuple(inside.tolist()))
-
     def _draw(self, weights: mx.array, key: mx.array | None) -> mx.array:
         """A target id per row of draft-vocabulary log-weights."""
         index = mx.random.categorical(weights, key=key)
@@ -470,12 +454,6 @@ class DSparkDrafter(DraftVocabulary, nn.Module):
         if bias is not None:
             row, carry, forced = bias.row(k, row, prev, carry, self.draft_ids())
         return state, row, carry, forced
-
-    def draft_ids(self) -> mx.array:
-        """The target id of every row of the drafter's output vocabulary."""
-        if self.config.reduced_vocab:
-            return self.draft_to_target
-        return mx.arange(self.config.output_vocab_size, dtype=mx.int32)
 
     def greedy_chain(
         self,

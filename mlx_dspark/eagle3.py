@@ -14,18 +14,17 @@ ingested with the target's true features (:meth:`Eagle3Drafter.extend`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .coupled import TokenKey, mlx_lm_draw
 from .eagle3_config import Eagle3Config
 from .errors import DSparkError
-from .proposers import Proposal, Round, top_logprob
+from .proposers import Proposal, Round, RowBias, top_logprob
 from .sampling import SamplingParams, processed_logits
 from .vocabulary import DraftVocabulary
 
@@ -329,15 +328,18 @@ class Eagle3Drafter(DraftVocabulary, nn.Module):
         n: int,
         params: SamplingParams,
         key: mx.array | list[TokenKey] | None = None,
+        bias: RowBias | None = None,
     ) -> Proposal:
         """``n`` drafts after the anchor at position ``start`` (the cache holds
         ``start`` positions and has already seen the anchor as the token after
         the last one). Tokens ``[1, n]`` are target ids; the proposal's rows
         are over the target vocabulary: greedy, the logits; sampled, the
         processed log-weights each draft was drawn from (coupled: mlx-lm's,
-        with the token keys in ``key``). The cache is cropped back to ``start``.
+        with the token keys in ``key``). ``bias`` is added to each row before
+        its draft is drawn (:class:`~mlx_dspark.proposers.RowBias`, as
+        context copying biases a DSpark drafter's rows). The cache is cropped
+        back to ``start``.
         """
-        del anchor  # already in the cache, paired with the last committed feature
         if cache.hidden is None or cache.length != start:
             raise ValueError(
                 f"drafting at {start} needs a cache of {start} committed positions"
@@ -348,9 +350,13 @@ class Eagle3Drafter(DraftVocabulary, nn.Module):
         else:
             keys = [None] * n if key is None else list(mx.random.split(key, n))
         draft_params = self._in_draft_vocab(params)
-        hidden, tokens, rows, drawn = cache.hidden, [], [], []
+        ids = self.draft_ids()
+        hidden, prev, carry = cache.hidden, anchor, None
+        tokens, rows, drawn = [], [], []
         for k in range(n):
-            row = self.logits(hidden)[:, -1]
+            row, forced = self.logits(hidden)[:, -1], None
+            if bias is not None:
+                row, carry, forced = bias.row(k, row, prev, carry, ids)
             if params.greedy:
                 token = self.greedy_ids(row)
             elif coupled:
@@ -360,7 +366,9 @@ class Eagle3Drafter(DraftVocabulary, nn.Module):
                 drawn.append(processed_logits(row, draft_params))
                 index = mx.random.categorical(drawn[-1], key=keys[k])
                 token = self.target_ids(index)
-            token = token.astype(mx.int32)
+            if forced is not None:
+                token = mx.where(forced >= 0, forced, token)
+            prev = token = token.astype(mx.int32)
             tokens.append(token)
             rows.append(row)
             if k + 1 < n:
@@ -373,15 +381,8 @@ class Eagle3Drafter(DraftVocabulary, nn.Module):
             out = mx.stack(drawn, axis=1)
         else:
             out = self.to_target(mx.stack(drawn, axis=1))
-        return Proposal(tokens, out, top_logprob=top_logprob(rows))
-
-    def _in_draft_vocab(self, params: SamplingParams) -> SamplingParams:
-        """``params`` for draft-vocabulary rows: XTC's special tokens as draft ids."""
-        special = params.xtc_special_tokens
-        if not (self.config.reduced_vocab and special):
-            return params
-        inside = np.flatnonzero(np.isin(np.array(self.draft_to_target), special))
-        return replace(params, xtc_special_tokens=tuple(inside.tolist()))
+        proposal = Proposal(tokens, out, top_logprob=top_logprob(rows))
+        return proposal if bias is None else bias.finish(proposal, rows, ids)
 
 
 @dataclass
@@ -397,7 +398,10 @@ class Eagle3Proposer:
     def make_state(self) -> Eagle3Cache:
         return self.drafter.make_cache()
 
-    def propose(self, state: Eagle3Cache, round: Round) -> Proposal:
+    def propose(
+        self, state: Eagle3Cache, round: Round, bias: RowBias | None = None
+    ) -> Proposal:
+        """The round's chain; ``bias`` on its rows (:class:`RowBias`)."""
         if round.features is not None:
             m = round.features.shape[1]
             following = mx.array([round.following()])
@@ -410,4 +414,5 @@ class Eagle3Proposer:
         n = min(round.cap, self.drafter.block_size)
         key = None if round.params.greedy else round.key
         anchor = mx.array([round.anchor])
-        return self.drafter.draft(state, anchor, round.start, n, round.params, key)
+        params = round.params
+        return self.drafter.draft(state, anchor, round.start, n, params, key, bias)

@@ -99,8 +99,8 @@ class Eagle3Config:
     final_logit_softcapping: float | None = None
     rope_parameters: dict | None = None
     quantization: dict | None = None
-    # > 0: the pair copies from the context (and its phrase store). EAGLE-3
-    # rows are not biased: copies go on past its drafts or replace them.
+    # > 0: the pair copies from the context (and its phrase store), adding
+    # this to the copied tokens' logits (copying.CopyBias).
     context_copy_bias: float = 0.0
     raw: dict = field(default_factory=dict, repr=False)
 

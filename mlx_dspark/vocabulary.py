@@ -4,9 +4,13 @@ EAGLE-3) has: its own copies or the target's."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
+
+from .sampling import SamplingParams
 
 
 class DraftVocabulary:
@@ -93,3 +97,24 @@ class DraftVocabulary:
         full = mx.full(shape, -mx.inf, dtype=logits.dtype)
         index = mx.broadcast_to(self.draft_to_target, logits.shape)
         return mx.put_along_axis(full, index, logits, axis=-1)
+
+    def draft_ids(self) -> mx.array:
+        """The target id of every row of the drafter's output vocabulary."""
+        if self.config.reduced_vocab:
+            return self.draft_to_target
+        return mx.arange(self.config.output_vocab_size, dtype=mx.int32)
+
+    def _in_draft_vocab(self, params: SamplingParams) -> SamplingParams:
+        """``params`` for processing draft-vocabulary rows: XTC's special
+        tokens as draft positions.
+
+        Sampled drafts are drawn from their short rows processed (a top-p sort
+        over 4,096 tokens instead of 49,152); tokens outside the draft
+        vocabulary have probability 0 either way, and the drafts are verified
+        against these very weights, so sampling stays exact.
+        """
+        special = params.xtc_special_tokens
+        if not (self.config.reduced_vocab and special):
+            return params
+        inside = np.flatnonzero(np.isin(np.array(self.draft_to_target), special))
+        return replace(params, xtc_special_tokens=tuple(inside.tolist()))

@@ -113,12 +113,14 @@ class FlatRows(Eagle3Proposer):
         return proposal
 
 
-def sampled(model, drafter, params, proposer=None, seeds=SAMPLING_SEEDS):
+def sampled(
+    model, drafter, params, proposer=None, seeds=SAMPLING_SEEDS, sampling="residual"
+):
     """The first three tokens' counts over ``seeds`` generations whose
-    first round drafts 3 (residual rejection sampling)."""
+    first round drafts 3, and the rounds' stats."""
     return sample_first_three(
         model, drafter, params, seeds=seeds, prompt=SAMPLING_PROMPT,
-        proposer=proposer, num_draft=3, max_tokens=5, sampling="residual",
+        proposer=proposer, num_draft=3, max_tokens=5, sampling=sampling,
     )  # fmt: skip
 
 
@@ -154,6 +156,24 @@ def test_a_wrong_proposal_fails_the_loop_s_sampling_test(small_pair):  # noqa: F
     samples, _ = sampled(model, drafter, params, FlatRows(drafter), seeds)
     stat, dof = chi_square(samples, exact_joint(model, params, SAMPLING_PROMPT), seeds)
     assert stat > chi_square_critical(dof)
+
+
+@pytest.mark.parametrize("sampling", ["residual", "coupled"])
+def test_sampling_with_copies_biasing_eagle3_rows_is_exact(small_pair, sampling):  # noqa: F811
+    """The phrase store's copies bias the EAGLE-3 rows (and go on past
+    them): drafts are drawn from the biased rows, so the output stays exact."""
+    model, drafter_dir = small_pair
+    drafter = load_drafter(drafter_dir, model)
+    drafter.config.context_copy_bias = 40.0
+    drafter.phrase_store = walk_store(model, [SAMPLING_PROMPT], 8)
+    params = SamplingParams(temperature=1.0)
+    samples, stats = sampled(model, drafter, params, sampling=sampling)
+    joint = exact_joint(model, params, SAMPLING_PROMPT)
+    stat, dof = chi_square(samples, joint, SAMPLING_SEEDS)
+    assert stat < chi_square_critical(dof), (stat, dof)
+    copied = [r for r in stats.rounds if r.phrases_offered and r.drafted]
+    assert len(copied) > SAMPLING_SEEDS // 4
+    assert 0 < np.mean([r.accepted for r in copied]) < 3
 
 
 @pytest.mark.parametrize("name", ["t1", "t0.8-minp-k"])
