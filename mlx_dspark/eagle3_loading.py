@@ -21,6 +21,7 @@ from .loading import (
     _own_part,
     _shareable,
     _target_head_weight,
+    check_trained_for,
     dequantize_on_cpu,
     load_checked_weights,
     read_config,
@@ -83,26 +84,11 @@ def speculators_weights(
 
 
 def check_eagle3_pair(config: Eagle3Config, target: TargetAdapter) -> None:
-    if config.hidden_size != target.hidden_size:
-        raise DSparkError(
-            f"The EAGLE-3 drafter's hidden size {config.hidden_size} does not match "
-            f"the target's {target.hidden_size}; it was trained for another target."
-        )
+    check_trained_for(config, target, "EAGLE-3 drafter")
     if config.target_hidden_size != target.hidden_size:
         raise DSparkError(
             f"The EAGLE-3 drafter reads target features of width "
             f"{config.target_hidden_size}, but the target's are {target.hidden_size}."
-        )
-    if config.vocab_size != target.vocab_size:
-        raise DSparkError(
-            f"The EAGLE-3 drafter's vocabulary ({config.vocab_size}) does not match "
-            f"the target's ({target.vocab_size}); it was trained for another target."
-        )
-    if config.num_target_layers not in (None, target.num_layers):
-        raise DSparkError(
-            f"The EAGLE-3 drafter was trained on a target with "
-            f"{config.num_target_layers} layers, but this target has "
-            f"{target.num_layers}."
         )
 
 

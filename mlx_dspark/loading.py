@@ -196,22 +196,30 @@ def read_weights(path: Path) -> dict[str, mx.array]:
     return weights
 
 
-def check_pair(config: DraftConfig, target: TargetAdapter) -> None:
+def check_trained_for(
+    config: DraftConfig | Eagle3Config, target: TargetAdapter, name: str = "drafter"
+) -> None:
+    """Refuse, in one sentence, a drafter (``name``) trained for a target of
+    another hidden size, vocabulary or depth."""
     if config.hidden_size != target.hidden_size:
         raise DSparkError(
-            f"The drafter's hidden size {config.hidden_size} does not match the "
+            f"The {name}'s hidden size {config.hidden_size} does not match the "
             f"target's {target.hidden_size}; it was trained for another target."
         )
     if config.vocab_size != target.vocab_size:
         raise DSparkError(
-            f"The drafter's vocabulary ({config.vocab_size}) does not match the "
+            f"The {name}'s vocabulary ({config.vocab_size}) does not match the "
             f"target's ({target.vocab_size}); it was trained for another target."
         )
     if config.num_target_layers not in (None, target.num_layers):
         raise DSparkError(
-            f"The drafter was trained on a target with {config.num_target_layers} "
+            f"The {name} was trained on a target with {config.num_target_layers} "
             f"layers, but this target has {target.num_layers}."
         )
+
+
+def check_pair(config: DraftConfig, target: TargetAdapter) -> None:
+    check_trained_for(config, target)
     if not 0 <= config.mask_token_id < target.vocab_size:
         raise DSparkError(
             f"mask_token_id {config.mask_token_id} is outside the vocabulary "
