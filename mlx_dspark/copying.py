@@ -18,7 +18,9 @@ import mlx.core as mx
 import numpy as np
 
 from .drafter import DrafterProposer, DSparkDrafter
+from .eagle3 import Eagle3Drafter, Eagle3Proposer
 from .lookup import PhraseStore, continuation, copy_for, offers
+from .modes import tree_source
 from .proposers import Backlog, Offer, Proposal, Proposer, Round, point_mass
 
 
@@ -122,8 +124,8 @@ def copied_proposal(copy: mx.array, vocab_size: int) -> Proposal:
 @dataclass
 class CopyProposer:
     """Context copying and the phrase store composed with ``inner``: a
-    :class:`~mlx_dspark.drafter.DrafterProposer`, whose rows a copy biases
-    by ``bias``, or any other proposer, which copies only extend past its
+    drafter's proposer (DSpark's or EAGLE-3's), whose rows a copy biases by
+    ``bias``, or any other proposer, which copies only extend past its
     drafts or replace (``as_is``).
 
     ``longest``: drafts at most in a round offered a copy (None: the
@@ -169,7 +171,7 @@ class CopyProposer:
             state.skip(round)
             return copied_proposal(copy, self.vocab_size)
         inner_round = state.take(round)
-        if isinstance(self.inner, DrafterProposer):
+        if isinstance(self.inner, DrafterProposer | Eagle3Proposer):
             block = copy[:, : self.inner.drafter.block_size]
             bias = CopyBias(block, mx.array(self.bias, mx.float32))
             proposal = self.inner.propose(state.inner, inner_round, bias)
@@ -182,25 +184,37 @@ class CopyProposer:
 
     def tree_source(self, state: Backlog, round: Round):
         """Trees do not copy: the inner proposer's tree rows."""
-        return self.inner.tree_source(state.inner, state.take(round))
+        return tree_source(self.inner)(state.inner, state.take(round))
 
 
-def copies(drafter: DSparkDrafter) -> bool:
+# What mlx_dspark.load returns as a pair's drafter: a DSpark (or DFlash)
+# drafter or an EAGLE-3 one.
+Drafter = DSparkDrafter | Eagle3Drafter
+
+
+def copies(drafter: Drafter) -> bool:
     """Whether a drafter's pair copies from the context (its config's
     ``context_copy_bias``)."""
     return drafter.config.context_copy_bias > 0
 
 
+def own_proposer(drafter: Drafter) -> Proposer:
+    """The drafter's own proposer, without copying."""
+    if isinstance(drafter, Eagle3Drafter):
+        return Eagle3Proposer(drafter)
+    return DrafterProposer(drafter)
+
+
 def pair_proposer(
-    drafter: DSparkDrafter,
+    drafter: Drafter,
     copy_draft: int | None = None,
     copy_as_is: bool = False,
 ) -> Proposer:
-    """The proposer a drafter's pair has: the drafter, composed with context
-    copying (and the ``phrases.npy`` store loading attached) when its config
-    has a copy bias. ``copy_draft`` and ``copy_as_is``: see
+    """The proposer a drafter's pair has: the drafter's own, composed with
+    context copying (and the ``phrases.npy`` store loading attached) when its
+    config has a copy bias. ``copy_draft`` and ``copy_as_is``: see
     :class:`CopyProposer`'s ``longest`` and ``as_is``."""
-    proposer = DrafterProposer(drafter)
+    proposer = own_proposer(drafter)
     if not copies(drafter):
         return proposer
     return CopyProposer(

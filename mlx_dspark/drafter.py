@@ -10,11 +10,10 @@ recomputed each round and never stored.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.rope_utils import initialize_rope
 
@@ -23,6 +22,7 @@ from .coupled import TokenKey, mlx_lm_draw
 from .heads import ConfidenceHead, build_markov_head
 from .proposers import Proposal, Round, RowBias, top_logprob
 from .sampling import SamplingParams, processed_logits
+from .vocabulary import DraftVocabulary
 
 
 @dataclass
@@ -199,7 +199,7 @@ class Gemma4DraftLayer(nn.Module):
         return h * self.layer_scalar
 
 
-class DSparkDrafter(nn.Module):
+class DSparkDrafter(DraftVocabulary, nn.Module):
     def __init__(self, config: DraftConfig):
         super().__init__()
         self.config = config
@@ -222,8 +222,7 @@ class DSparkDrafter(nn.Module):
             # Target id of each draft id (a reduced draft vocabulary).
             self.draft_to_target = mx.arange(config.draft_vocab_size, dtype=mx.int32)
             self.freeze(keys=["draft_to_target"], recurse=False)
-        self._shared_embed: Callable | None = None
-        self._shared_head: Callable | None = None
+        self.init_vocabulary()
         self._compiled_chain: dict[type, Callable] | None = None
         # The default policy of this drafter's last generation, whose
         # measurements (costs, acceptance) the next generation starts from.
@@ -233,77 +232,9 @@ class DSparkDrafter(nn.Module):
     def block_size(self) -> int:
         return self.config.block_size
 
-    def own_embeddings(self, embed: bool = True, head: bool = True) -> None:
-        """Give the drafter its own embedding and/or LM head (checkpoint copies).
-
-        With a reduced draft vocabulary the LM head has ``draft_vocab_size`` rows.
-        """
-        c = self.config
-        if embed:
-            self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-            self._shared_embed = None
-        if head:
-            self.lm_head = nn.Linear(c.hidden_size, c.output_vocab_size, bias=False)
-            self._shared_head = None
-
-    def share_embeddings(
-        self,
-        embed: Callable[[mx.array], mx.array] | None,
-        lm_head: Callable[[mx.array], mx.array] | None,
-    ) -> None:
-        """Use the target's embedding and/or LM head instead of a second copy
-        (``None`` leaves that part as it is)."""
-        if lm_head is not None and self.config.reduced_vocab:
-            raise ValueError("a reduced-vocabulary drafter needs its own LM head")
-        for name, shared in (("embed_tokens", embed), ("lm_head", lm_head)):
-            if shared is not None and name in self:
-                del self[name]
-        if embed is not None:
-            self._shared_embed = embed
-        if lm_head is not None:
-            self._shared_head = lm_head
-
-    @property
-    def shares_embeddings(self) -> bool:
-        return self._shared_embed is not None
-
-    def embed(self, tokens: mx.array) -> mx.array:
-        """Token embeddings; Gemma-4 scales them by ``sqrt(hidden_size)`` (in
-        their dtype, as its scaled embedding does)."""
-        if self._shared_embed is None:
-            h = self.embed_tokens(tokens)
-        else:
-            h = self._shared_embed(tokens)
-        if self.config.is_gemma4:
-            h = h * mx.array(self.config.hidden_size**0.5, dtype=h.dtype)
-        return h
-
     def logits(self, hidden: mx.array) -> mx.array:
-        """Base logits over the drafter's output vocabulary (see ``to_target``).
-
-        Gemma-4 soft-caps them with ``final_logit_softcapping``; a head shared
-        with a Gemma-4 target is the target's, which caps them already."""
-        if self._shared_head is not None:
-            return self._shared_head(hidden)
-        logits = self.lm_head(hidden)
-        cap = self.config.final_logit_softcapping
-        if self.config.is_gemma4 and cap:
-            logits = mx.tanh(logits / cap) * cap
-        return logits
-
-    def to_target(self, logits: mx.array) -> mx.array:
-        """Scatter draft-vocabulary logits into the target vocabulary.
-
-        Target tokens outside a reduced draft vocabulary get ``-inf`` (draft
-        probability 0), so drafts, acceptance and residuals all work in target
-        ids. The identity for a full-vocabulary drafter.
-        """
-        if not self.config.reduced_vocab:
-            return logits
-        shape = (*logits.shape[:-1], self.config.vocab_size)
-        full = mx.full(shape, -mx.inf, dtype=logits.dtype)
-        index = mx.broadcast_to(self.draft_to_target, logits.shape)
-        return mx.put_along_axis(full, index, logits, axis=-1)
+        """Base logits over the drafter's output vocabulary (see ``to_target``)."""
+        return self.head(hidden)
 
     def make_cache(self) -> DraftCache:
         n = len(self.layers)
@@ -493,21 +424,6 @@ class DSparkDrafter(nn.Module):
             proposal = bias.finish(proposal, rows, self.draft_ids())
         return proposal
 
-    def _in_draft_vocab(self, params: SamplingParams) -> SamplingParams:
-        """``params`` for processing draft-vocabulary rows: XTC's special
-        tokens as draft positions.
-
-        Sampled drafts are drawn from their short rows processed (a top-p sort
-        over 4,096 tokens instead of 49,152); tokens outside the draft
-        vocabulary have probability 0 either way, and the drafts are verified
-        against these very weights, so sampling stays exact.
-        """
-        special = params.xtc_special_tokens
-        if not (self.config.reduced_vocab and special):
-            return params
-        inside = np.flatnonzero(np.isin(np.array(self.draft_to_target), special))
-        return replace(params, xtc_special_tokens=tuple(inside.tolist()))
-
     def _draw(self, weights: mx.array, key: mx.array | None) -> mx.array:
         """A target id per row of draft-vocabulary log-weights."""
         index = mx.random.categorical(weights, key=key)
@@ -538,12 +454,6 @@ class DSparkDrafter(nn.Module):
         if bias is not None:
             row, carry, forced = bias.row(k, row, prev, carry, self.draft_ids())
         return state, row, carry, forced
-
-    def draft_ids(self) -> mx.array:
-        """The target id of every row of the drafter's output vocabulary."""
-        if self.config.reduced_vocab:
-            return self.draft_to_target
-        return mx.arange(self.config.output_vocab_size, dtype=mx.int32)
 
     def greedy_chain(
         self,

@@ -13,10 +13,11 @@ import mlx.nn as nn
 from mlx_lm.generate import GenerationResponse
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .copying import Drafter, own_proposer
 from .coupled import own_keys, resolve_sampling
-from .drafter import DSparkDrafter
 from .errors import DSparkError
 from .loop import GenerationStats, speculative_generate_step
+from .modes import tree_source
 from .policies import resolve_policy
 from .sampling import SamplingParams
 from .settings import SpeculationSettings, build_settings
@@ -75,7 +76,7 @@ def _target_only_tokens(model, prompt, params: SamplingParams, max_tokens: int, 
 def stream_generate(
     model: nn.Module,
     tokenizer: Any,
-    drafter: DSparkDrafter | None,
+    drafter: Drafter | None,
     prompt: str | list[int] | mx.array,
     max_tokens: int = 256,
     temperature: float = 0.0,
@@ -179,6 +180,7 @@ def stream_generate(
         target = TargetAdapter(model, drafter.config.target_layer_ids)
         if settings.tree_budget:
             target.check_tree()
+            tree_source(own_proposer(drafter))  # or: it proposes chains only
         tokens = speculative_generate_step(
             prompt,
             target,
@@ -279,7 +281,7 @@ def format_stats(response: DSparkResponse) -> list[str]:
 def generate(
     model: nn.Module,
     tokenizer: Any,
-    drafter: DSparkDrafter | None,
+    drafter: Drafter | None,
     prompt: str | list[int] | mx.array,
     verbose: bool = False,
     **kwargs,

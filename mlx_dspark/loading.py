@@ -1,4 +1,5 @@
-"""Load a target and a DSpark drafter, and check that they belong together."""
+"""Load a target and a drafter (DSpark, DFlash or EAGLE-3), and check that they
+belong together."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .config import DraftConfig
+from .copying import Drafter
 from .coupled import own_keys
 from .drafter import DSparkDrafter
+from .eagle3_config import Eagle3Config
 from .errors import DSparkError
 from .lookup import PHRASES_FILE, PhraseStore
 from .target import TargetAdapter
@@ -165,12 +168,16 @@ def check_adapter(path: Path) -> None:
 
 
 def is_dspark_drafter(path_or_repo: str | Path) -> bool:
-    """Whether a draft model is a DSpark drafter (by its config's architectures),
-    rather than an ordinary mlx-lm model for mlx-lm's own speculative decoding."""
+    """Whether a draft model is one this package's loop runs (a DSpark, DFlash
+    or EAGLE-3 drafter, by its config), rather than an ordinary mlx-lm model
+    for mlx-lm's own speculative decoding."""
+    from .eagle3_loading import is_eagle3
+
     config = read_config(resolve_path(path_or_repo, "draft model"))
     architectures = config.get("architectures") or []
     speculators = "speculators_model_type" in config or "speculators_config" in config
-    return speculators or any("DSpark" in str(a) for a in architectures)
+    dspark = any("DSpark" in str(a) for a in architectures)
+    return speculators or dspark or is_eagle3(config)
 
 
 def read_weights(path: Path) -> dict[str, mx.array]:
@@ -189,22 +196,30 @@ def read_weights(path: Path) -> dict[str, mx.array]:
     return weights
 
 
-def check_pair(config: DraftConfig, target: TargetAdapter) -> None:
+def check_trained_for(
+    config: DraftConfig | Eagle3Config, target: TargetAdapter, name: str = "drafter"
+) -> None:
+    """Refuse, in one sentence, a drafter (``name``) trained for a target of
+    another hidden size, vocabulary or depth."""
     if config.hidden_size != target.hidden_size:
         raise DSparkError(
-            f"The drafter's hidden size {config.hidden_size} does not match the "
+            f"The {name}'s hidden size {config.hidden_size} does not match the "
             f"target's {target.hidden_size}; it was trained for another target."
         )
     if config.vocab_size != target.vocab_size:
         raise DSparkError(
-            f"The drafter's vocabulary ({config.vocab_size}) does not match the "
+            f"The {name}'s vocabulary ({config.vocab_size}) does not match the "
             f"target's ({target.vocab_size}); it was trained for another target."
         )
     if config.num_target_layers not in (None, target.num_layers):
         raise DSparkError(
-            f"The drafter was trained on a target with {config.num_target_layers} "
+            f"The {name} was trained on a target with {config.num_target_layers} "
             f"layers, but this target has {target.num_layers}."
         )
+
+
+def check_pair(config: DraftConfig, target: TargetAdapter) -> None:
+    check_trained_for(config, target)
     if not 0 <= config.mask_token_id < target.vocab_size:
         raise DSparkError(
             f"mask_token_id {config.mask_token_id} is outside the vocabulary "
@@ -279,24 +294,38 @@ def build_drafter(
         weights.update(own_embed)
     if not share_head:
         weights.update(own_head)
+    load_checked_weights(drafter, weights, config, "drafter")
+    dequantize_on_cpu(drafter)
+    mx.eval(drafter.parameters())
+    if drafter.markov_head is not None:
+        drafter.compile_greedy_chain()
+    return drafter
+
+
+def load_checked_weights(
+    module: nn.Module, weights: dict[str, mx.array], config, what: str
+) -> None:
+    """Quantize ``module`` as the checkpoint is (``config.quantization``), then
+    load ``weights``, refusing missing, unused or misshapen tensors and a bad
+    ``draft_to_target`` table in one sentence naming ``what`` was loaded."""
     if config.quantization:
         q = config.quantization
         nn.quantize(
-            drafter,
+            module,
             group_size=q["group_size"],
             bits=q["bits"],
             class_predicate=lambda p, m: f"{p}.scales" in weights,
         )
-    expected = {k for k, _ in tree_flatten(drafter.parameters())}
+    expected = {k for k, _ in tree_flatten(module.parameters())}
     missing = sorted(expected - set(weights))
     if missing:
         raise DSparkError(
-            f"The drafter checkpoint is missing tensors: {', '.join(missing[:4])}."
+            f"The {what} checkpoint is missing tensors: {', '.join(missing[:4])}."
         )
     unexpected = sorted(set(weights) - expected)
     if unexpected:
         raise DSparkError(
-            f"The drafter checkpoint has tensors this configuration does not use: "
+            f"The {what} checkpoint has tensors this configuration does not use: "
             f"{', '.join(unexpected[:4])}."
         )
     if config.reduced_vocab:
@@ -304,16 +333,11 @@ def build_drafter(
             weights["draft_to_target"], config
         )
     try:
-        drafter.load_weights(list(weights.items()))
+        module.load_weights(list(weights.items()))
     except ValueError as error:
         raise DSparkError(
-            f"The drafter's tensor shapes do not match its config: {error}"
+            f"The {what}'s tensor shapes do not match its config: {error}"
         ) from None
-    dequantize_on_cpu(drafter)
-    mx.eval(drafter.parameters())
-    if drafter.markov_head is not None:
-        drafter.compile_greedy_chain()
-    return drafter
 
 
 def dequantize_on_cpu(drafter: DSparkDrafter) -> None:
@@ -357,12 +381,18 @@ def _target_head_weight(target: TargetAdapter) -> mx.array:
     return target.head.weight
 
 
-def load_drafter(
-    path_or_repo: str | Path, target: nn.Module | None = None
-) -> DSparkDrafter:
-    """Load a DeepSpec-format (or converted MLX) drafter, optionally for ``target``."""
+def load_drafter(path_or_repo: str | Path, target: nn.Module | None = None) -> Drafter:
+    """Load a DeepSpec-format (or converted MLX) drafter, optionally for
+    ``target``: a DSpark (or DFlash) drafter, or an EAGLE-3 one (DeepSpec,
+    speculators or MLX, :func:`~mlx_dspark.eagle3_loading.load_eagle3`)."""
     path = resolve_path(path_or_repo, "drafter")
     raw = read_config(path)
+    from .eagle3_loading import is_eagle3, load_eagle3
+
+    if is_eagle3(raw):
+        drafter = load_eagle3(path, target)
+        attach_phrase_store(drafter, path)
+        return drafter
     if "speculators_model_type" in raw or "speculators_config" in raw:
         raise DSparkError(
             f"{path} is a vLLM speculators checkpoint; convert it first with "
@@ -375,16 +405,20 @@ def load_drafter(
         check_pair(config, adapter)
     drafter = build_drafter(config, read_weights(path), adapter)
     drafter.source_path = path
-    # The pair's phrase store rides with the drafter it was written beside;
-    # the copy proposer reads it (copying.pair_proposer).
-    phrases = path / PHRASES_FILE
-    drafter.phrase_store = None
-    if phrases.exists():
-        drafter.phrase_store = read_phrase_store(phrases, config)
+    attach_phrase_store(drafter, path)
     return drafter
 
 
-def read_phrase_store(file: Path, config: DraftConfig) -> PhraseStore:
+def attach_phrase_store(drafter: Drafter, path: Path) -> None:
+    """The pair's phrase store rides with the drafter it was written beside;
+    the copy proposer reads it (:func:`~mlx_dspark.copying.pair_proposer`)."""
+    phrases = path / PHRASES_FILE
+    drafter.phrase_store = None
+    if phrases.exists():
+        drafter.phrase_store = read_phrase_store(phrases, drafter.config)
+
+
+def read_phrase_store(file: Path, config: DraftConfig | Eagle3Config) -> PhraseStore:
     """A drafter's :class:`~mlx_dspark.lookup.PhraseStore`, checked against
     its target vocabulary."""
     try:
@@ -409,7 +443,8 @@ def load(
     trust_remote_code: bool = False,
     pair: str | None = None,
 ):
-    """Load ``(model, tokenizer, drafter)``; ``drafter`` is None without ``draft_model``.
+    """Load ``(model, tokenizer, drafter)``; ``drafter`` is None without
+    ``draft_model``, else a DSpark (or DFlash) or EAGLE-3 drafter.
 
     With no ``target`` this loads a built-in pair: ``pair`` names it
     (``"smollm2-135m"``, ``"gemma3-270m"``; see ``default.py`` and

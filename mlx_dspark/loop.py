@@ -20,9 +20,8 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
-from .copying import pair_proposer
+from .copying import Drafter, pair_proposer
 from .coupled import TokenKey, TokenKeys, mlx_lm_token, resolve_sampling
-from .drafter import DSparkDrafter
 from .modes import ChainMode, RoundMode
 from .proposers import Offer, Proposal, Proposer, Round, joined
 from .sampling import SamplingParams, probabilities, sample
@@ -177,7 +176,7 @@ def first_token(logits: mx.array, params: SamplingParams, rng: Randomness) -> in
 def speculative_generate_step(
     prompt: mx.array,
     target: TargetAdapter,
-    proposer: Proposer | DSparkDrafter,
+    proposer: Proposer | Drafter,
     *,
     params: SamplingParams = SamplingParams(),
     num_draft: int,
@@ -216,7 +215,7 @@ def speculative_generate_step(
     Stopping on end-of-sequence tokens is the caller's job; rounds may commit
     past it, which does not change the tokens before it.
     """
-    if isinstance(proposer, DSparkDrafter):
+    if isinstance(proposer, Drafter):
         proposer = pair_proposer(proposer, copy_draft, copy_as_is)
     policy = policy or ThresholdPolicy()
     mode = mode or ChainMode()

@@ -60,6 +60,7 @@ premise ``x_i ~ q_i``; the test suite checks that this variant is caught.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -174,6 +175,19 @@ class TreeRound:
     depth: int
     accepted: int
     path: list[int] = field(default_factory=lambda: [0])
+
+
+def tree_source(proposer: Proposer) -> Callable[[Any, Round], tuple[Any, mx.array]]:
+    """The proposer's ``tree_source`` (a tree's per-position rows), or one
+    sentence saying that it proposes chains only."""
+    source = getattr(proposer, "tree_source", None)
+    if source is None:
+        raise DSparkError(
+            f"Tree drafting needs a proposer with per-position draft rows "
+            f"(the DSpark drafter); {type(proposer).__name__} proposes "
+            "chains only."
+        )
+    return source
 
 
 class TreeMode:
@@ -293,14 +307,7 @@ class TreeMode:
         target's own tokens. The proposer must give per-position rows
         (``tree_source``, as :class:`~mlx_dspark.drafter.DrafterProposer`
         does)."""
-        source = getattr(proposer, "tree_source", None)
-        if source is None:
-            raise DSparkError(
-                f"Tree drafting needs a proposer with per-position draft rows "
-                f"(the DSpark drafter); {type(proposer).__name__} proposes "
-                "chains only."
-            )
-        drafter, hidden = source(state, round)
+        drafter, hidden = tree_source(proposer)(state, round)
         key = round.key
         if isinstance(key, list):
             key = mx.random.split(key[0][1])[0]

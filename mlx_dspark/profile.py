@@ -29,8 +29,9 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .drafter import DSparkDrafter
+from .copying import Drafter, own_proposer
 from .errors import DSparkError
+from .proposers import Round
 from .sampling import SamplingParams
 from .scheduler import StepRateCurve
 from .target import TargetAdapter
@@ -92,7 +93,7 @@ def device_identity() -> str:
     return f"{backend()}:{device}:{name}"
 
 
-def profile_key(model: nn.Module, drafter: DSparkDrafter) -> dict:
+def profile_key(model: nn.Module, drafter: Drafter) -> dict:
     """Everything a cached profile must match."""
     return {
         "version": PROFILE_VERSION,
@@ -108,7 +109,7 @@ def profile_path(key: dict) -> Path:
     return cache_dir() / "profiles" / f"{_digest([key])}.json"
 
 
-def cached_profile_path(model: nn.Module, drafter: DSparkDrafter) -> str | None:
+def cached_profile_path(model: nn.Module, drafter: Drafter) -> str | None:
     """The file this pair's profile is cached in on this machine, if it is."""
     path = profile_path(profile_key(model, drafter))
     return str(path) if path.is_file() else None
@@ -125,7 +126,7 @@ def _median_time(fn, repeats: int) -> float:
 
 def measure_profile(
     target: TargetAdapter,
-    drafter: DSparkDrafter,
+    drafter: Drafter,
     n_max: int | None = None,
     contexts: tuple[int, ...] = DEFAULT_CONTEXTS,
     repeats: int = 3,
@@ -136,6 +137,7 @@ def measure_profile(
     length; the curve averages over the contexts.
     ``progress(done, total)`` follows every measurement."""
     n_max = drafter.block_size if n_max is None else n_max
+    proposer = own_proposer(drafter)
     sizes = list(range(1, n_max + 2))
     vocab = target.vocab_size
     rng = np.random.default_rng(0)
@@ -168,26 +170,29 @@ def measure_profile(
             timings[size] = _median_time(forward, repeats)
             advance()
         per_context[context] = timings
-        anchor = mx.array([int(prompt[-1].item())])
-        block = drafter.block_tokens(anchor)
-        # A round's drafter takes in the features of the tokens committed
+        # A round's proposer takes in the features of the tokens committed
         # since the last round (here one) and drafts a block: it does not
         # take in the whole context again.
-        primed = drafter.make_cache()
-        drafter(block, context - 1, features[:, :-1], primed)
+        tokens = prompt.tolist()
+        primed = proposer.make_state()
+        first = Round(tokens, features[:, :-1], 1, SamplingParams(), None)
+        proposer.propose(primed, first)
         mx.eval(primed.keys, primed.values)
+        round = Round(
+            [*tokens, tokens[-1]],
+            features[:, -1:],
+            drafter.block_size,
+            SamplingParams(),
+            None,
+        )
 
-        def draft(
-            features=features, block=block, anchor=anchor, primed=primed, at=context
-        ):
-            draft_cache = replace(
-                primed, keys=list(primed.keys), values=list(primed.values)
+        def draft(primed=primed, round=round):
+            # The caches' lists are copied: a round replaces their entries.
+            state = replace(primed, keys=list(primed.keys), values=list(primed.values))
+            proposal = proposer.propose(state, round)
+            mx.eval(
+                [a for a in (proposal.tokens, proposal.confidence) if a is not None]
             )
-            hidden = drafter(block, at, features[:, -1:], draft_cache)
-            proposal = drafter.propose(
-                hidden, anchor, drafter.block_size, SamplingParams(), None
-            )
-            mx.eval(proposal.tokens, proposal.confidence)
 
         draft()
         draft_times[context] = _median_time(draft, repeats)
@@ -208,7 +213,7 @@ def measure_profile(
 
 
 def load_profile(
-    model: nn.Module, drafter: DSparkDrafter, n_max: int = 0
+    model: nn.Module, drafter: Drafter, n_max: int = 0
 ) -> StepRateCurve | None:
     """The cached profile for this pair on this machine, or None (also when it
     was not measured as far as verifying ``n_max`` drafts)."""
@@ -265,7 +270,7 @@ def reaches(curve: StepRateCurve, n_max: int) -> bool:
 
 def get_profile(
     model: nn.Module,
-    drafter: DSparkDrafter,
+    drafter: Drafter,
     profile: str = "auto",
     progress: Callable[[int, int], None] | None = None,
     n_max: int | None = None,

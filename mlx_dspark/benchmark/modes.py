@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..drafter import DSparkDrafter
+from ..copying import Drafter, own_proposer
 from ..errors import DSparkError
 from ..generation import stream_generate
 from ..loop import GenerationStats, RoundStats
@@ -25,7 +25,7 @@ class Pair:
 
     model: nn.Module
     tokenizer: Any
-    drafter: DSparkDrafter | None
+    drafter: Drafter | None
     label: str
     synthetic: bool = False
     mlx_lm_draft: nn.Module | None = None
@@ -110,6 +110,22 @@ def run_target(pair: Pair, prompt: list[int], max_tokens: int) -> Run:
     return Run(tokens, decode, total)
 
 
+def sampled_target_runner(temperature: float, seed: int) -> Runner:
+    """mlx-lm's own decoding at ``temperature`` after ``mx.random.seed(seed)``:
+    the tokens a seeded DSpark generation must reproduce."""
+    from mlx_lm.sample_utils import make_sampler
+
+    def run(pair: Pair, prompt: list[int], max_tokens: int) -> Run:
+        mx.random.seed(seed)
+        responses = _mlx_lm_responses(
+            pair, prompt, max_tokens, sampler=make_sampler(temperature)
+        )
+        tokens, _, decode, total, _ = _collect(responses)
+        return Run(tokens, decode, total)
+
+    return run
+
+
 def _rounds_from_flags(drafted: list[bool], num_draft: int) -> GenerationStats:
     """Rounds of mlx-lm's speculative decoding, from its ``from_draft`` flags:
     each target-sampled token closes a round (it verified ``num_draft``)."""
@@ -138,18 +154,26 @@ def mlx_lm_runner(num_draft: int) -> Runner:
     return run
 
 
-def dspark_runner(settings: SpeculationSettings) -> Runner:
+def dspark_runner(
+    settings: SpeculationSettings,
+    drafter: Any = None,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> Runner:
     """A runner for DSpark's public ``stream_generate`` with one speculation
-    setup, greedy; its responses carry the rounds' statistics and timings."""
+    setup, greedy unless a ``temperature`` is given (then seeded); its
+    responses carry the rounds' statistics and timings. ``drafter``: any
+    drafter ``stream_generate`` takes (default: the pair's)."""
 
     def run(pair: Pair, prompt: list[int], max_tokens: int) -> Run:
         responses = stream_generate(
             pair.model,
             pair.tokenizer,
-            pair.drafter,
+            pair.drafter if drafter is None else drafter,
             prompt,
             max_tokens=max_tokens,
-            seed=0,
+            temperature=temperature,
+            seed=seed,
             settings=settings,
         )
         tokens, _, decode, total, last = _collect(responses)
@@ -221,7 +245,10 @@ def _default_modes(pair: Pair, settings: Settings) -> list[Variant]:
 
 
 def _tree_modes(pair: Pair, settings: Settings) -> list[Variant]:
-    if not pair.adapter.supports_tree:
+    # Trees need a target that verifies them and a proposer with tree rows
+    # (EAGLE-3 proposes chains only).
+    proposer = own_proposer(pair.drafter)
+    if not pair.adapter.supports_tree or not hasattr(proposer, "tree_source"):
         return []
     return [
         dspark_variant(
@@ -266,7 +293,7 @@ def select_variants(pair: Pair, settings: Settings, names: list[str]) -> list[Va
     return variants
 
 
-def make_useless(drafter: DSparkDrafter) -> None:
+def make_useless(drafter: Drafter) -> None:
     """Random weights, and no calibration: the one beside the drafter's
     directory was measured on its real weights."""
     randomize_weights(drafter)

@@ -37,8 +37,8 @@ from ..calibration import (
     records_per_position,
     records_to_arrays,
 )
+from ..copying import Drafter
 from ..coupled import UNSEEDED_SAMPLING
-from ..drafter import DSparkDrafter
 from ..errors import DSparkError
 from ..loop import RoundStats, speculative_generate_step
 from ..profile import _digest, model_fingerprint
@@ -90,23 +90,23 @@ class RecordingPolicy:
         )
 
 
-def pair_key(model: nn.Module, drafter: DSparkDrafter) -> str:
+def pair_key(model: nn.Module, drafter: Drafter) -> str:
     return _digest(
         [model_fingerprint(model), model_fingerprint(drafter, drafter.config.to_dict())]
     )
 
 
-def cached_calibration_path(model: nn.Module, drafter: DSparkDrafter) -> Path:
+def cached_calibration_path(model: nn.Module, drafter: Drafter) -> Path:
     return cache_dir() / "calibration" / f"{pair_key(model, drafter)}.json"
 
 
-def beside_drafter_path(drafter: DSparkDrafter) -> Path | None:
+def beside_drafter_path(drafter: Drafter) -> Path | None:
     source = getattr(drafter, "source_path", None)
     return None if source is None else Path(source) / CALIBRATION_FILE
 
 
 def find_calibration(
-    model: nn.Module, drafter: DSparkDrafter
+    model: nn.Module, drafter: Drafter
 ) -> tuple[CalibrationResult, Path] | None:
     """The stored calibration of this pair (beside the drafter first, then the
     user cache), or None; an unreadable file counts as missing."""
@@ -125,7 +125,7 @@ def _writable(directory: Path) -> bool:
     return directory.is_dir() and os.access(directory, os.W_OK | os.X_OK)
 
 
-def default_output(model: nn.Module, drafter: DSparkDrafter) -> Path:
+def default_output(model: nn.Module, drafter: Drafter) -> Path:
     beside = beside_drafter_path(drafter)
     if beside is not None and _writable(beside.parent):
         return beside
@@ -143,7 +143,7 @@ def encode_prompts(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
     return encoded
 
 
-def calibration_settings(drafter: DSparkDrafter) -> SpeculationSettings:
+def calibration_settings(drafter: Drafter) -> SpeculationSettings:
     """Calibration's speculation setup: chains of the full block, every draft
     verified (a threshold in the environment does not apply)."""
     return build_settings(drafter.block_size, confidence_threshold=0.0, scheduler="off")
@@ -151,7 +151,7 @@ def calibration_settings(drafter: DSparkDrafter) -> SpeculationSettings:
 
 def collect_records(
     model: nn.Module,
-    drafter: DSparkDrafter,
+    drafter: Drafter,
     prompts: list[list[int]],
     rounds: int,
     params: SamplingParams = SamplingParams(),
@@ -266,7 +266,7 @@ def fit_records(
 def calibrate_pair(
     model: nn.Module,
     tokenizer: Any,
-    drafter: DSparkDrafter,
+    drafter: Drafter,
     prompts: list[str] | None = None,
     rounds: int = 300,
     params: SamplingParams = SamplingParams(),
@@ -279,6 +279,11 @@ def calibrate_pair(
     """Collect rounds, fit STS, save; returns (result, json path, png path)."""
     if rounds < 1:
         raise DSparkError(f"--rounds must be at least 1, got {rounds}.")
+    if getattr(drafter, "confidence_head", None) is None:
+        raise DSparkError(
+            "The drafter has no confidence head to calibrate (an EAGLE-3 or "
+            "DFlash drafter); the default policy runs it as it is."
+        )
     encoded = encode_prompts(tokenizer, prompts or BUILTIN_PROMPTS)
     records, groups = collect_records(
         model, drafter, encoded, rounds, params, max_tokens, seed, progress

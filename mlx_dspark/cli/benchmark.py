@@ -9,6 +9,8 @@ Usage::
     mlx_dspark benchmark [pair options] --parity-record trace.json
     mlx_dspark benchmark [pair options] --parity-check trace.json
     mlx_dspark benchmark [pair options] [--fixed-n 1,7] --profile
+    mlx_dspark benchmark --model T --compare [NAME=]DRAFTER --compare ... \
+        [--compare-n 7] [--temperatures 0,1] [--seed 0]
 
 In one process and on the same prompts it runs target-only decoding (mlx-lm's
 own ``stream_generate``), mlx-lm's speculative decoding (with
@@ -39,6 +41,14 @@ the draft logits (compared with ``--parity-rtol``, default 1e-3).
 ``--profile`` splits a greedy round into its stages and compares the
 adapter's target forward with mlx-lm's (see :mod:`mlx_dspark.roundprofile`).
 
+``--compare`` (repeatable) compares several drafters for one target in one
+interleaved run: per temperature (``--temperatures``, seeded sampling),
+the target alone and each drafter at ``--compare-n`` drafts a round (no
+scheduler, no confidence cut), with mean accepted length, acceptance by
+position, speed against the target alone and losslessness (see
+:mod:`mlx_dspark.benchmark.compare`). Without ``--model`` the target is the
+default pair's.
+
 The measurement is :mod:`mlx_dspark.benchmark`; this module parses the flags,
 loads the pair and renders the report.
 """
@@ -55,6 +65,12 @@ from rich.console import Console
 from rich.table import Table
 
 from .. import roundprofile
+from ..benchmark.compare import (
+    Contender,
+    compare_records,
+    compare_variants,
+    parse_contender,
+)
 from ..benchmark.measure import machine_report, measure, records
 from ..benchmark.modes import (
     MODES,
@@ -220,7 +236,9 @@ def benchmark(
         None, "--model", help="Target model path or Hugging Face repo."
     ),
     draft_model: str | None = typer.Option(
-        None, "--draft-model", help="DSpark drafter path or Hugging Face repo."
+        None,
+        "--draft-model",
+        help="DSpark, DFlash or EAGLE-3 drafter path or Hugging Face repo.",
     ),
     mlx_lm_draft_model: str | None = typer.Option(
         None,
@@ -289,6 +307,20 @@ def benchmark(
     parity_rtol: float = typer.Option(
         1e-3, "--parity-rtol", help="Relative logit tolerance of --parity-check."
     ),
+    compare: list[str] | None = typer.Option(
+        None,
+        "--compare",
+        metavar="[NAME=]DRAFTER",
+        help="A drafter to compare, [NAME=]PATH (repeat: DSpark, DFlash, EAGLE-3 "
+        "drafters for one --model), instead of the modes.",
+    ),
+    compare_n: int = typer.Option(
+        7, "--compare-n", help="Drafts per round for --compare (fixed)."
+    ),
+    temperatures: str = typer.Option(
+        "0,1", "--temperatures", help="Sampling temperatures for --compare."
+    ),
+    seed: int = typer.Option(0, "--seed", help="Sampling seed for --compare."),
     profile: bool = typer.Option(
         False,
         "--profile",
@@ -348,6 +380,25 @@ def _check_args(args) -> None:
         )
     if args.trials < 1:
         raise DSparkError(f"--trials must be at least 1, got {args.trials}.")
+    if getattr(args, "compare", None):
+        others = {
+            "--draft-model": args.draft_model,
+            "--synthetic": args.synthetic,
+            "--parity-record": args.parity_record,
+            "--parity-check": args.parity_check,
+            "--profile": args.profile,
+            "--mlx-lm-draft-model": args.mlx_lm_draft_model,
+        }
+        for flag, value in others.items():
+            if value:
+                raise DSparkError(f"--compare runs on its own; drop {flag}.")
+        if args.compare_n < 1:
+            raise DSparkError(f"--compare-n must be at least 1, got {args.compare_n}.")
+        temps = _float_list(args.temperatures, "--temperatures")
+        if not temps or any(t < 0 for t in temps):
+            raise DSparkError(
+                f"--temperatures must be numbers >= 0, got {args.temperatures!r}."
+            )
     if args.parity_record and args.parity_check:
         raise DSparkError("Use --parity-record or --parity-check, not both.")
     if args.parity_check is not None and not args.parity_check.is_file():
@@ -371,6 +422,9 @@ def run(args: SimpleNamespace) -> None:
     console = Console(width=None if sys.stdout.isatty() else 200)
     err = Console(stderr=True)
     prompt_name, texts = load_prompts(args.prompts)
+    if args.compare:
+        run_comparison(args, prompt_name, texts, console, err)
+        return
     mode_names = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [n for n in mode_names if n not in MODES]
     if unknown:
@@ -509,6 +563,92 @@ def run(args: SimpleNamespace) -> None:
             "[bold yellow]warning:[/] a mode's greedy output differs from target-only "
             "decoding (see the lossless column)."
         )
+
+
+def run_comparison(
+    args, prompt_name: str, texts: list[str], console: Console, err: Console
+) -> None:
+    """``--compare``: the drafters side by side for one target."""
+    from ..loading import load, load_drafter
+
+    target = args.model if args.model is not None else default_pair()[0]
+    model, tokenizer, _ = load(target)
+    contenders = []
+    for value in args.compare:
+        name, path = parse_contender(value)
+        contenders.append(Contender(name, load_drafter(path, model)))
+    temperatures = _float_list(args.temperatures, "--temperatures")
+    variants = compare_variants(contenders, args.compare_n, temperatures, args.seed)
+    pair = Pair(model, tokenizer, contenders[0].drafter, str(target))
+    prompts = [
+        encode_prompt(tokenizer, t, pair.vocab_size, not args.ignore_chat_template)
+        for t in texts
+    ]
+    err.print("measuring the machine (BLAS, bandwidth) ...", highlight=False)
+    machine = machine_report(model)
+    results = measure(
+        pair, variants, prompts, args.max_tokens, args.trials,
+        lambda message: print(message, file=sys.stderr, flush=True),
+    )  # fmt: skip
+    report = {
+        "schema": SCHEMA_VERSION,
+        "synthetic": False,
+        "pair": {
+            "label": str(target),
+            "drafters": dict(map(parse_contender, args.compare)),
+        },
+        "settings": {
+            "prompts": prompt_name,
+            "num_prompts": len(prompts),
+            "max_tokens": args.max_tokens,
+            "trials": args.trials,
+            "num_draft": args.compare_n,
+            "temperatures": temperatures,
+            "seed": args.seed,
+        },  # fmt: skip
+        "machine": machine,
+        "records": compare_records(
+            results, contenders, temperatures, machine["ceiling_tok_per_s"]
+        ),
+    }
+    render_comparison(report, console)
+    if args.json:
+        write_json(report, args.json)
+        console.print(f"JSON written to {args.json}", highlight=False)
+
+
+def render_comparison(report: dict, console: Console) -> None:
+    settings, machine = report["settings"], report["machine"]
+    table = Table(
+        title=f"drafters for {report['pair']['label']}: "
+        f"{settings['num_draft']} drafts a round"
+    )
+    for name, justify in (
+        ("drafter", "left"), ("T", "right"), ("mean acc. len", "right"),
+        ("acceptance by position", "left"), ("tok/s", "right"),
+        ("speedup", "right"), ("lossless", "center"),
+    ):  # fmt: skip
+        table.add_column(name, justify=justify)
+    for r in report["records"]:
+        table.add_row(
+            r["drafter"],
+            f"{r['temperature']:g}",
+            f"{r['mean_accepted_length']:.2f}",
+            " ".join(f"{a:.2f}" for a in r["acceptance_by_position"]) or "-",
+            f"{r['tok_per_s']:.1f}",
+            f"{r['speedup']:.2f}x",
+            {True: "yes", False: "NO", None: "-"}[r["lossless"]],
+        )
+    console.print(table)
+    trials = settings["trials"]
+    console.print(
+        f"prompts: {settings['prompts']} ({settings['num_prompts']}), max tokens "
+        f"{settings['max_tokens']}, {trials} trial{'s' * (trials != 1)}, seed "
+        f"{settings['seed']}; backend {machine['backend']}, BLAS {machine['blas']}",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 def main(argv: list[str] | None = None, prog: str = "mlx_dspark.benchmark") -> None:

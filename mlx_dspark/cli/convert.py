@@ -27,14 +27,18 @@ def _choice(flag: str, value, choices: tuple) -> None:
 
 def convert(
     gguf: str | None = typer.Option(
-        None, "--gguf", metavar="FILE", help="GGUF target model (llama, qwen2, qwen3 or gemma3; any tensor type "
+        None,
+        "--gguf",
+        metavar="FILE",
+        help="GGUF target model (llama, qwen2, qwen3 or gemma3; any tensor type "
         "the gguf package reads).",
     ),
     draft_model: str | None = typer.Option(
         None,
         "--draft-model",
         metavar="PATH|REPO",
-        help="DSpark drafter: DeepSpec, speculators 'dspark' or MLX checkpoint.",
+        help="DSpark drafter (DeepSpec, speculators 'dspark' or MLX checkpoint) "
+        "or EAGLE-3 drafter (DeepSpec, speculators 'eagle3' or MLX).",
     ),
     out: str | None = typer.Option(
         None, "--out", metavar="DIR", help="Output directory."
@@ -145,7 +149,11 @@ def convert_gguf_cli(args: SimpleNamespace) -> None:
 
 def convert_drafter_cli(args: SimpleNamespace) -> None:
     from ..convert.drafter import convert_drafter, describe_plan, plan_drafter
+    from ..eagle3_loading import is_eagle3_path
 
+    if is_eagle3_path(args.draft_model):
+        convert_eagle3_cli(args)
+        return
     options = dict(
         quantize=args.quantize,
         bits=args.q_bits,
@@ -168,6 +176,35 @@ def convert_drafter_cli(args: SimpleNamespace) -> None:
     print(
         f"wrote {args.out} ({kind}): {written / 2**20:.1f} MiB of weights "
         f"from {plan.source_bytes / 2**20:.1f} MiB"
+    )
+
+
+def convert_eagle3_cli(args: SimpleNamespace) -> None:
+    from ..convert.eagle3 import convert_eagle3
+
+    if args.target or args.to != "mlx":
+        flag = "--target" if args.target else "--to"
+        raise DSparkError(f"{flag} does not apply to EAGLE-3 drafters yet.")
+    if args.dry_run:
+        raise DSparkError("--dry-run does not apply to EAGLE-3 drafters yet.")
+    if not args.out:
+        raise DSparkError("--out is required.")
+    if not args.quantize and (args.q_bits or args.q_group_size):
+        raise DSparkError("--q-bits and --q-group-size need -q.")
+    result = convert_eagle3(
+        args.draft_model,
+        args.out,
+        quantize=args.quantize,
+        bits=args.q_bits,
+        group_size=args.q_group_size,
+        dtype=args.dtype,
+        force=args.force,
+    )
+    kind = f"{result.bits}-bit" if result.bits else "float"
+    written = sum(f.stat().st_size for f in Path(args.out).glob("*.safetensors"))
+    print(
+        f"wrote {args.out} ({kind} MLX EAGLE-3 drafter, {result.config.flavour}): "
+        f"{written / 2**20:.1f} MiB of weights"
     )
 
 

@@ -63,9 +63,9 @@ def setup_arg_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "SmolLM2-135M-Instruct with its shipped DSpark drafter."
     )
     _action(parser, "--draft-model").help = (
-        "A DSpark drafter (config architectures *DSparkModel) for DSpark "
-        "speculative decoding, or an ordinary mlx-lm model for mlx-lm's own "
-        "speculative decoding."
+        "A DSpark, DFlash or EAGLE-3 drafter (DeepSpec *DSparkModel / "
+        "*Eagle3Model, speculators) for DSpark speculative decoding, or an "
+        "ordinary mlx-lm model for mlx-lm's own speculative decoding."
     )
     _action(parser, "--num-draft-tokens").help = (
         "Number of tokens to draft per round; with a DSpark drafter an alias "

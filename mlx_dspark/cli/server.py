@@ -26,7 +26,9 @@ def _cli(
         help="Target model path or repo (default: the built-in default pair).",
     ),
     draft_model: str | None = typer.Option(
-        None, "--draft-model", help="DSpark drafter path or repo for --model."
+        None,
+        "--draft-model",
+        help="DSpark, DFlash or EAGLE-3 drafter path or repo for --model.",
     ),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     port: int = typer.Option(8080, "--port", help="Port to listen on."),

@@ -1,4 +1,4 @@
-"""``mlx_dspark train``: train a DSpark drafter for an mlx-lm target.
+"""``mlx_dspark train``: train a DSpark (or DFlash, EAGLE-3) drafter for an mlx-lm target.
 
 The flags map one to one onto :class:`mlx_dspark.train.TrainArgs`; the work is
 :func:`mlx_dspark.train.train`. The parser is argparse (with one-sentence
@@ -23,7 +23,7 @@ from rich.progress import (
 )
 from rich.progress import Progress as RichProgress
 
-from ..train import DTYPES, Progress, TrainArgs, train
+from ..train import DTYPES, KINDS, Progress, TrainArgs, train
 from .terminal import ArgumentParser, log_to_terminal, run_cli
 
 
@@ -39,7 +39,8 @@ def _layer_ids(value: str) -> list[int]:
 def build_parser(prog: str = "mlx_dspark.train") -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog=prog,
-        description="Train a DSpark drafter for an mlx-lm target model.",
+        description="Train a DSpark, DFlash or EAGLE-3 drafter for an mlx-lm "
+        "target model.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     d = TrainArgs(model="", data=[], out="")
@@ -58,13 +59,29 @@ def build_parser(prog: str = "mlx_dspark.train") -> argparse.ArgumentParser:
         help="Text files and/or JSONL files (messages, prompt/completion, text, tokens).",
     )
     add("--out", required=True, help="Output drafter directory (DeepSpec format).")
+    add(
+        "--kind",
+        default=d.kind,
+        choices=list(KINDS),
+        help="Drafter to train: DSpark (a parallel block; DFlash is DSpark with "
+        "--markov-head none --no-confidence) or EAGLE-3 (autoregressive, trained "
+        "by DeepSpec's training-time test; the block, Markov, confidence, anchor "
+        "and --init-from* flags do not apply to it).",
+    )
+    add(
+        "--ttt-length",
+        type=int,
+        default=d.ttt_length,
+        help="EAGLE-3: drafting steps unrolled in training (DeepSpec: 7).",
+    )
     add("--block-size", type=int, default=d.block_size, help="Tokens per draft block.")
     add("--layers", type=int, default=d.layers, help="Draft decoder layers.")
     add(
         "--markov-head",
         default=d.markov_head,
         choices=["vanilla", "gated", "rnn", "none"],
-        help="Sequential head over the block (none: parallel drafts only).",
+        help="Sequential head over the block (none: parallel drafts only; with "
+        "--no-confidence this is a DFlash drafter).",
     )
     add("--markov-rank", type=int, default=d.markov_rank, help="Sequential head rank.")
     add(

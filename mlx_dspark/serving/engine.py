@@ -29,7 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..copying import context_bias
+from ..copying import Drafter, context_bias, pair_proposer
 from ..coupled import TokenKeys, resolve_sampling
 from ..drafter import DSparkDrafter
 from ..loop import RoundStats, first_token
@@ -391,14 +391,15 @@ class BatchEngine:
     ``proposer``, when given, proposes each request's chains alone through
     :class:`~mlx_dspark.proposers.Proposer` (one state per request) instead
     of the drafter's batched backbone; ``drafter`` still names the pair
-    (its target layers, block and calibration).
+    (its target layers, block and calibration). An EAGLE-3 ``drafter``
+    always goes through its pair's proposer.
     """
 
     def __init__(
         self,
         model: nn.Module,
         tokenizer,
-        drafter: DSparkDrafter,
+        drafter: Drafter,
         config: EngineConfig | None = None,
         memory_source=None,
         proposer: Proposer | None = None,
@@ -408,7 +409,10 @@ class BatchEngine:
         self.model = model
         self.drafter = drafter
         # None: the drafter's own proposals, its backbone batched over the
-        # requests (with its pair's context copying).
+        # requests (with its pair's context copying). Only a DSpark
+        # drafter batches: an EAGLE-3 one proposes for each request alone.
+        if proposer is None and not isinstance(drafter, DSparkDrafter):
+            proposer = pair_proposer(drafter)
         self.proposer = proposer
         self.config = config or EngineConfig()
         self.target = TargetAdapter(model, drafter.config.target_layer_ids)

@@ -10,6 +10,10 @@ Block position ``k`` predicts token ``anchor + k + 1``; the loss is in
 :mod:`mlx_dspark.training.loss`, the loop in :mod:`mlx_dspark.training.trainer`.
 A Gemma-4 target gets DeepSpec's ``Gemma4DSparkModel`` drafter
 (:func:`mlx_dspark.training.model.gemma4_config`); the rest is the same.
+``kind="eagle3"`` trains DeepSpec's EAGLE-3 drafter instead
+(:mod:`mlx_dspark.training.eagle3`), from the same teacher store, data,
+checkpoints and export. DFlash is the DSpark model without its sequential
+and confidence heads (``markov_head="none"``, ``confidence=False``).
 This module holds the arguments and :func:`train`; the command line is in
 :mod:`mlx_dspark.cli.train`.
 """
@@ -49,6 +53,13 @@ from ..training.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from ..training.eagle3 import (
+    Eagle3Batch,
+    eagle3_config,
+    eagle3_loss_terms,
+    make_eagle3_batch,
+    new_eagle3_drafter,
+)
 from ..training.model import (
     check_same_shape,
     copy_trained_weights,
@@ -80,6 +91,7 @@ __all__ = [
 logger = logging.getLogger("mlx_dspark")
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+KINDS = ("dspark", "eagle3")
 
 
 @dataclass
@@ -87,6 +99,8 @@ class TrainArgs:
     model: str
     data: list[str]
     out: str
+    kind: str = "dspark"
+    ttt_length: int = 7
     block_size: int = 7
     layers: int = 2
     markov_head: str = "vanilla"
@@ -190,21 +204,31 @@ def train(
     data_hashes = [{"path": str(p), "sha256": sha256(p)} for p in data_files]
     val_data, val_hashes = _validation_data(args, tokenizer, data_hashes)
     vocab = _draft_vocabulary(args, sequences, target, start)
-    config = drafter_config(
-        target_config, target, layers=args.layers, block_size=args.block_size,
-        markov_head=args.markov_head, markov_rank=args.markov_rank,
-        anchors=args.anchors, confidence=args.confidence, mask_token_id=mask_token_id,
-        draft_vocab_size=None if vocab is None else len(vocab.ids),
-    )  # fmt: skip
-    if start is not None:
-        check_same_shape(config, start.drafter.config, start.path)
+    draft_vocab_size = None if vocab is None else len(vocab.ids)
+    draft_ids = None if vocab is None else vocab.ids
+    if args.kind == "eagle3":
+        config = eagle3_config(
+            target_config, target, layers=args.layers, ttt_length=args.ttt_length,
+            draft_vocab_size=draft_vocab_size,
+        )  # fmt: skip
+        drafter = new_eagle3_drafter(config, target, args.seed, draft_ids)
+    else:
+        config = drafter_config(
+            target_config, target, layers=args.layers, block_size=args.block_size,
+            markov_head=args.markov_head, markov_rank=args.markov_rank,
+            anchors=args.anchors, confidence=args.confidence,
+            mask_token_id=mask_token_id, draft_vocab_size=draft_vocab_size,
+        )  # fmt: skip
+        if start is not None:
+            check_same_shape(config, start.drafter.config, start.path)
+        drafter = new_drafter(
+            config, target, args.seed, draft_ids, args.init_from_target
+        )
+        if start is not None:
+            copy_trained_weights(drafter, start.drafter, target)
     train_ids, val_ids = _split(len(sequences), args.val_sequences, args.seed)
     per_epoch = math.ceil(len(train_ids) / args.batch_size)
     total = args.steps or max(1, math.ceil((args.epochs or 1.0) * per_epoch))
-    draft_ids = None if vocab is None else vocab.ids
-    drafter = new_drafter(config, target, args.seed, draft_ids, args.init_from_target)
-    if start is not None:
-        copy_trained_weights(drafter, start.drafter, target)
     optimizer = optim.AdamW(
         learning_rate=schedule(args.lr, total, int(args.warmup * total)),
         weight_decay=args.weight_decay,
@@ -219,6 +243,8 @@ def train(
     }  # fmt: skip
     if args.greedy_weight:  # checkpoints from before the flag still resume
         identity["greedy_weight"] = args.greedy_weight
+    if args.kind != "dspark":
+        identity.update(kind=args.kind, ttt_length=args.ttt_length)
     state = (
         _resume(args, ckpt, drafter, optimizer, identity)
         if args.resume
@@ -239,7 +265,8 @@ def train(
         if rank == 0:
             save_checkpoint(ckpt, drafter, optimizer, _snapshot(identity, state))
 
-    make = partial(_make_batch, args, sequences, mask_token_id, vocab)
+    batch_maker = _make_eagle3_batch if args.kind == "eagle3" else _make_batch
+    make = partial(batch_maker, args, sequences, mask_token_id, vocab)
     next_batch = _batches(args, train_ids, per_epoch, make, rank, size)
     val_teacher, val_make = teacher, make
     if val_data and rank == 0:  # held-out files instead of a split
@@ -247,18 +274,22 @@ def train(
             args, target, target_path, val_data, val_hashes, draft_ids,
             stage("validation store"),
         )  # fmt: skip
-        val_make = partial(_make_batch, args, val_data, mask_token_id, vocab)
+        val_make = partial(batch_maker, args, val_data, mask_token_id, vocab)
         val_ids = list(range(len(val_data)))
     val_batches = _validation_batches(args, val_ids, val_make) if rank == 0 else []
+    loss, batch_type = (
+        (eagle3_loss_terms, Eagle3Batch) if args.kind == "eagle3" else (None, Batch)
+    )
     validate = (
-        make_validation(drafter, val_teacher, val_batches, args.greedy_weight)
+        make_validation(drafter, val_teacher, val_batches, args.greedy_weight, loss)
         if val_batches
         else None
     )
     parallel = group if size > 1 else None
     status, final = optimise(
         make_step(drafter, optimizer, args.grad_clip, group=parallel,
-                  greedy_weight=args.greedy_weight), next_batch,
+                  greedy_weight=args.greedy_weight, loss=loss,
+                  batch_type=batch_type), next_batch,
         teacher, state, total, log_every=args.log_every,
         checkpoint_every=args.checkpoint_every, save=save, should_stop=should_stop,
         progress=stage("training"), validate=validate, validate_every=args.val_every,
@@ -298,6 +329,10 @@ def train(
 
 
 def _check_args(args: TrainArgs) -> None:
+    if args.kind not in KINDS:
+        raise DSparkError(f"--kind must be dspark or eagle3, got {args.kind!r}.")
+    if args.kind == "eagle3":
+        _check_eagle3_args(args)
     if args.markov_head not in ("vanilla", "gated", "rnn", "none"):
         raise DSparkError(
             f"--markov-head must be vanilla, gated, rnn or none, got {args.markov_head!r}."
@@ -373,6 +408,22 @@ def _check_args(args: TrainArgs) -> None:
         raise DSparkError("Give either --init-from or --init-from-target, not both.")
     if args.resume and not ckpt.exists():
         raise DSparkError(f"--resume found no checkpoint at {ckpt}.")
+
+
+def _check_eagle3_args(args: TrainArgs) -> None:
+    """What does not apply to an EAGLE-3 drafter is refused, not ignored."""
+    if args.ttt_length < 1:
+        raise DSparkError(f"--ttt-length must be at least 1, got {args.ttt_length}.")
+    given = {
+        "--init-from": args.init_from,
+        "--init-from-target": args.init_from_target,
+        "--greedy-weight": args.greedy_weight,
+    }
+    for flag, value in given.items():
+        if value:
+            raise DSparkError(f"{flag} is for DSpark drafters, not --kind eagle3.")
+    if mx.distributed.init().size() > 1:
+        raise DSparkError("--kind eagle3 trains in one process only.")
 
 
 def _load_target(path: str):
@@ -543,6 +594,16 @@ def _make_batch(args, sequences, mask_token_id, vocab, indices, rng) -> Batch:
         [sequences[i] for i in indices], args.anchors, args.block_size,
         mask_token_id, args.gamma, rng,
         None if vocab is None else vocab.target_to_draft,
+        length=-(-longest // SHAPE_STEP) * SHAPE_STEP,
+    )  # fmt: skip
+
+
+def _make_eagle3_batch(args, sequences, mask_token_id, vocab, indices, rng):
+    """A batch of whole sequences (``rng``, ``mask_token_id`` and ``vocab``
+    are DSpark's: every position trains, with the target's own rows)."""
+    longest = max(len(sequences[i]) for i in indices)
+    return make_eagle3_batch(
+        [sequences[i] for i in indices], args.ttt_length,
         length=-(-longest // SHAPE_STEP) * SHAPE_STEP,
     )  # fmt: skip
 

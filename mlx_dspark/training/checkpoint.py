@@ -15,6 +15,7 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..drafter import DSparkDrafter
+from ..eagle3 import Eagle3Drafter
 from ..errors import DSparkError
 from ..target import TargetAdapter
 from ..utils import umask
@@ -81,14 +82,15 @@ def load_checkpoint(
 
 def export_drafter(
     out: Path,
-    drafter: DSparkDrafter,
+    drafter: DSparkDrafter | Eagle3Drafter,
     target: TargetAdapter,
     record: dict,
     with_embeddings: bool,
     dtype: mx.Dtype,
     quantize: tuple[int, int] | None = None,
 ) -> None:
-    """Write a DeepSpec-format drafter directory (atomically).
+    """Write a DeepSpec-format drafter directory (atomically): a DSpark or
+    an EAGLE-3 drafter.
 
     With ``quantize=(bits, group_size)`` the drafter is quantized in place
     first (MLX format: a ``quantization`` block in config.json).
@@ -118,10 +120,12 @@ def export_drafter(
         if not drafter.config.reduced_vocab:
             weights["lm_head.weight"] = head_weight(target)
 
+    # The target's config as DeepSpec copies it, then the drafter's keys
+    # (an EAGLE-3 config's to_dict holds its own fields only).
+    config = {**drafter.config.raw, **drafter.config.to_dict()}
+
     def write(directory: Path) -> None:
-        (directory / "config.json").write_text(
-            json.dumps(drafter.config.to_dict(), indent=2)
-        )
+        (directory / "config.json").write_text(json.dumps(config, indent=2))
         mx.save_safetensors(
             str(directory / "model.safetensors"), weights, metadata={"format": "pt"}
         )

@@ -62,8 +62,16 @@ def drafter_config(
         dspark["draft_vocab_size"] = draft_vocab_size
     if adapter.model_type in ("gemma4_text", "gemma4"):
         return gemma4_config(target_config, adapter, dspark)
-    # mlx-lm's arguments fill what the config leaves to defaults; multimodal
-    # wrappers (gemma3, qwen3_5) keep the text model's config in text_config.
+    config = target_text_config(target_config, adapter)
+    config.update(architectures=["Qwen3DSparkModel"], **dspark)
+    return DraftConfig.from_dict(config)
+
+
+def target_text_config(target_config: dict, adapter: TargetAdapter) -> dict:
+    """The target's text-model config as a Qwen3-style drafter inherits it:
+    mlx-lm's arguments fill what the config leaves to defaults (multimodal
+    wrappers such as gemma3 and qwen3_5 keep it in ``text_config``), with an
+    explicit ``head_dim``, ``rope_theta`` and ``rms_norm_eps``."""
     args = getattr(adapter.text, "args", None)
     config = {
         **(asdict(args) if is_dataclass(args) else {}),
@@ -72,13 +80,12 @@ def drafter_config(
     }
     for key in _NOT_DRAFTER_KEYS:
         config.pop(key, None)
-    head_dim = config.get("head_dim") or (
+    config["head_dim"] = config.get("head_dim") or (
         adapter.hidden_size // config["num_attention_heads"]
     )
-    config.update(architectures=["Qwen3DSparkModel"], head_dim=head_dim, **dspark)
     config.setdefault("rope_theta", 10000.0)
     config.setdefault("rms_norm_eps", 1e-6)
-    return DraftConfig.from_dict(config)
+    return config
 
 
 _NOT_DRAFTER_KEYS = (
@@ -144,15 +151,7 @@ def new_drafter(
     """
     mx.random.seed(seed)
     drafter = DSparkDrafter(config)
-    if config.reduced_vocab:
-        drafter.share_embeddings(target.embed, None)
-        drafter.own_embeddings(embed=False, head=True)
-        ids = mx.array(draft_ids)
-        drafter.lm_head.weight = head_weight(target)[ids]
-        drafter.draft_to_target = ids
-        drafter.freeze(keys=["lm_head"], recurse=True)
-    else:
-        drafter.share_embeddings(target.embed, target.lm_head)
+    use_target_embeddings(drafter, target, draft_ids)
     if config.is_gemma4:
         # DeepSpec's layer_scalar is a buffer of ones, never trained.
         for layer in drafter.layers:
@@ -167,21 +166,44 @@ def new_drafter(
             ]
         )
     )
-    # The drafter's output feeds the target's LM head: start from the target's
-    # final-norm scale so that the first logits are on the target's scale,
-    # when that norm scales by its weight as the drafter's does. Gemma's
-    # ``1 + weight`` final norm (Gemma-3-270M: up to 301 on a few features)
-    # starts the drafter at ones: from its scale, a random draft layer's logits
-    # were so peaked that after 16 steps the cross-entropy was still 65
-    # (ones: 5.9; docs/gemma3-pair.md).
+    start_norm_from_target(drafter, target)
+    mx.eval(drafter.parameters())
+    return drafter
+
+
+def use_target_embeddings(
+    drafter: nn.Module, target: TargetAdapter, draft_ids: np.ndarray | None
+) -> None:
+    """Share the target's embedding and LM head with the drafter; with a
+    reduced draft vocabulary (``draft_ids``, target ids) the LM head is the
+    drafter's own: the target head's rows for those ids, frozen."""
+    if drafter.config.reduced_vocab:
+        drafter.share_embeddings(target.embed, None)
+        drafter.own_embeddings(embed=False, head=True)
+        ids = mx.array(draft_ids)
+        drafter.lm_head.weight = head_weight(target)[ids]
+        drafter.draft_to_target = ids
+        drafter.freeze(keys=["lm_head"], recurse=True)
+    else:
+        drafter.share_embeddings(target.embed, target.lm_head)
+
+
+def start_norm_from_target(drafter: nn.Module, target: TargetAdapter) -> None:
+    """Set ``drafter.norm`` to the target's final-norm scale.
+
+    The drafter's output feeds the target's LM head: from the target's scale
+    the first logits are on the target's scale, when that norm scales by its
+    weight as the drafter's does. Gemma's ``1 + weight`` final norm
+    (Gemma-3-270M: up to 301 on a few features) leaves the drafter at ones:
+    from its scale, a random draft layer's logits were so peaked that after 16
+    steps the cross-entropy was still 65 (ones: 5.9; docs/gemma3-pair.md).
+    """
     norm = getattr(target.inner, "norm", None)
     scale = norm_scale(norm, drafter.norm.weight)
     if scale is not None:
         weight = norm.weight.astype(mx.float32)
         if mx.allclose(scale, weight, rtol=1e-4, atol=1e-5).item():
             drafter.norm.weight = weight
-    mx.eval(drafter.parameters())
-    return drafter
 
 
 def norm_scale(norm: nn.Module | None, like: mx.array) -> mx.array | None:

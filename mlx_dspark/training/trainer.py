@@ -15,12 +15,13 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.nn.utils import average_gradients
 
-from ..drafter import DSparkDrafter
 from .batches import Batch
 from .loss import loss_terms
 
 METRICS = ("loss", "ce", "tv", "conf", "tau", "greedy_tau")
 Teacher = Callable[[list[int], Batch], tuple[mx.array, mx.array, mx.array]]
+# (drafter, features, target_p, outside, batch) -> (loss, terms)
+Loss = Callable[..., tuple[mx.array, tuple[mx.array, ...]]]
 
 
 @dataclass
@@ -49,12 +50,14 @@ def schedule(lr: float, total: int, warmup: int):
 
 
 def make_step(
-    drafter: DSparkDrafter,
+    drafter: nn.Module,
     optimizer: optim.Optimizer,
     grad_clip: float,
     compiled: bool = True,
     group: mx.distributed.Group | None = None,
     greedy_weight: float = 0.0,
+    loss: Loss | None = None,
+    batch_type: type = Batch,
 ) -> Callable[[mx.array, mx.array, mx.array, Batch], list[float]]:
     """One update from a batch and its teacher; returns the metrics.
 
@@ -64,13 +67,14 @@ def make_step(
     computes the same update as the eager one. With a ``group`` of processes
     each trains on its share of the step (:func:`~.batches.shard`); their
     gradients and metrics are averaged, so every rank makes the same update.
+    ``loss`` (default: the DSpark loss) returns the loss and the terms after
+    ``loss`` in :data:`METRICS`, from batches of ``batch_type``.
     """
-    loss_and_grad = nn.value_and_grad(
-        drafter, partial(loss_terms, greedy_weight=greedy_weight)
-    )
+    loss = loss or partial(loss_terms, greedy_weight=greedy_weight)
+    loss_and_grad = nn.value_and_grad(drafter, loss)
 
     def update(features, target_p, outside, denominators, *arrays):
-        batch = Batch(*arrays, supervised=0, denominators=denominators)
+        batch = batch_type(*arrays, supervised=0, denominators=denominators)
         (loss, terms), grads = loss_and_grad(
             drafter, features, target_p, outside, batch
         )
@@ -102,22 +106,22 @@ def make_step(
 
 
 def make_validation(
-    drafter: DSparkDrafter,
+    drafter: nn.Module,
     teacher: Teacher,
     batches: list[tuple[list[int], Batch]],
     greedy_weight: float = 0.0,
+    loss: Loss | None = None,
 ) -> Callable[[], list[float]]:
     """The mean metrics over held-out batches (anchors fixed once), without
     updating anything."""
+    loss = loss or partial(loss_terms, greedy_weight=greedy_weight)
 
     def validate() -> list[float]:
         rows = []
         for indices, batch in batches:
-            loss, terms = loss_terms(
-                drafter, *teacher(indices, batch), batch, greedy_weight
-            )
-            mx.eval(loss, terms)
-            rows.append([loss.item(), *(t.item() for t in terms)])
+            value, terms = loss(drafter, *teacher(indices, batch), batch)
+            mx.eval(value, terms)
+            rows.append([value.item(), *(t.item() for t in terms)])
         return np.mean(rows, axis=0).tolist()
 
     return validate
