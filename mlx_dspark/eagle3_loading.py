@@ -18,9 +18,7 @@ from .eagle3 import Eagle3Drafter
 from .eagle3_config import ARCHITECTURES, Eagle3Config
 from .errors import DSparkError
 from .loading import (
-    _own_part,
-    _shareable,
-    _target_head_weight,
+    attach_embeddings,
     check_trained_for,
     dequantize_on_cpu,
     load_checked_weights,
@@ -102,39 +100,9 @@ def build_eagle3(
     target's embedding and LM head where the checkpoint omits them or holds
     exact copies (a reduced-vocabulary head is always the drafter's own)."""
     drafter = Eagle3Drafter(config)
-    own_embed = _own_part(weights, "embed_tokens")
-    own_head = _own_part(weights, "lm_head")
-    share_embed = share_head = False
-    if target is not None:
-        share_embed = not own_embed or _shareable(
-            own_embed, "embed_tokens", target.embedding.weight
-        )
-        share_head = not config.reduced_vocab and (
-            not own_head or _shareable(own_head, "lm_head", _target_head_weight(target))
-        )
-    if not own_head and not share_head:
-        if config.reduced_vocab:
-            raise DSparkError("The reduced-vocabulary EAGLE-3 drafter has no LM head.")
-        raise DSparkError(
-            "The EAGLE-3 drafter has no LM head of its own; load it with its target."
-        )
-    if not own_embed and not share_embed:
-        raise DSparkError(
-            "The EAGLE-3 drafter has no embedding of its own; load it with its target."
-        )
-    if config.is_gemma4:
-        # DeepSpec's layer_scalar is a buffer of ones a checkpoint may omit.
-        for i in range(config.num_hidden_layers):
-            weights.setdefault(f"layers.{i}.layer_scalar", mx.ones((1,)))
-    drafter.own_embeddings(embed=not share_embed, head=not share_head)
-    drafter.share_embeddings(
-        target.embed if share_embed else None,
-        target.lm_head if share_head else None,
+    attach_embeddings(
+        drafter, config, weights, target, "EAGLE-3 drafter", keep_whole=False
     )
-    if not share_embed:
-        weights.update(own_embed)
-    if not share_head:
-        weights.update(own_head)
     load_checked_weights(drafter, weights, config, "EAGLE-3 drafter")
     if dequantize:
         dequantize_on_cpu(drafter)

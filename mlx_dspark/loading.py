@@ -248,38 +248,39 @@ def _shareable(own: dict[str, mx.array], module: str, target_weight: mx.array) -
     )
 
 
-def build_drafter(
-    config: DraftConfig, weights: dict[str, mx.array], target: TargetAdapter | None
-) -> DSparkDrafter:
-    """Instantiate the drafter, sharing the target's embedding and head when possible.
-
-    A part the checkpoint omits is taken from the target; when it holds both
-    and both equal the target's they are shared, otherwise kept. A
-    reduced-vocabulary drafter always keeps its own (smaller) LM head.
-    """
-    drafter = DSparkDrafter(config)
+def attach_embeddings(
+    drafter: nn.Module,
+    config,
+    weights: dict[str, mx.array],
+    target: TargetAdapter | None,
+    what: str,
+    keep_whole: bool = True,
+) -> None:
+    """Give ``drafter`` its embedding and LM head: the target's where the
+    checkpoint omits them or holds exact float copies, else its own (added to
+    ``weights``). A reduced-vocabulary head is always the drafter's own; with
+    ``keep_whole``, a complete checkpoint copy that differs anywhere is kept
+    whole. ``what`` names the drafter in errors."""
     own_embed = _own_part(weights, "embed_tokens")
     own_head = _own_part(weights, "lm_head")
-    if target is None:
-        share_embed = share_head = False
-    else:
+    share_embed = share_head = False
+    if target is not None:
         share_embed = not own_embed or _shareable(
             own_embed, "embed_tokens", target.embedding.weight
         )
         share_head = not config.reduced_vocab and (
             not own_head or _shareable(own_head, "lm_head", _target_head_weight(target))
         )
-        whole = own_embed and own_head and not config.reduced_vocab
+        whole = keep_whole and own_embed and own_head and not config.reduced_vocab
         if whole and not (share_embed and share_head):
-            # A complete checkpoint copy that differs anywhere is kept whole.
             share_embed = share_head = False
     if (not own_embed and not share_embed) or (not own_head and not share_head):
         if config.reduced_vocab and not own_head:
             raise DSparkError(
-                "The reduced-vocabulary drafter has no LM head of its own."
+                f"The reduced-vocabulary {what} has no LM head of its own."
             )
         raise DSparkError(
-            "The drafter has no embedding or LM head of its own; load it with its target."
+            f"The {what} has no embedding or LM head of its own; load it with its target."
         )
     if config.is_gemma4:
         # DeepSpec's layer_scalar is a buffer of ones that a checkpoint may omit.
@@ -294,6 +295,15 @@ def build_drafter(
         weights.update(own_embed)
     if not share_head:
         weights.update(own_head)
+
+
+def build_drafter(
+    config: DraftConfig, weights: dict[str, mx.array], target: TargetAdapter | None
+) -> DSparkDrafter:
+    """Instantiate the drafter, sharing the target's embedding and head when
+    possible (:func:`attach_embeddings`)."""
+    drafter = DSparkDrafter(config)
+    attach_embeddings(drafter, config, weights, target, "drafter")
     load_checked_weights(drafter, weights, config, "drafter")
     dequantize_on_cpu(drafter)
     mx.eval(drafter.parameters())

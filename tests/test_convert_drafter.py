@@ -479,6 +479,8 @@ def _corrupt(drafter_dir: Path, tmp_path: Path, how: str) -> Path:
     elif how == "gemma":
         config["architectures"] = ["Gemma4DSparkModel"]
     elif how == "eagle3":
+        # EAGLE-3 checkpoints go to their own converter, which reads this one's
+        # config as broken.
         config = {"speculators_model_type": "eagle3"}
     elif how == "missing-shard":
         shutil.rmtree(bad)
@@ -502,7 +504,7 @@ def _corrupt(drafter_dir: Path, tmp_path: Path, how: str) -> Path:
         ("pickle", "pytorch_model.bin is not a supported drafter format"),
         ("not-dspark", "Not a DSpark drafter"),
         ("gemma", "Gemma4DSparkModel config is missing"),
-        ("eagle3", "speculators 'eagle3' checkpoint"),
+        ("eagle3", "speculators config has no transformer_layer_config"),
         ("missing-shard", "is missing"),
         ("bad-config", "not valid JSON"),
     ],
