@@ -301,7 +301,7 @@ def _source_id(path_or_repo: str | Path, path: Path) -> str:
 
 def open_drafter(path_or_repo: str | Path) -> DrafterSource:
     """Read and validate a drafter's config and tensor table (no tensor data)."""
-    from mlx_dspark.loading import read_config, resolve_path
+    from mlx_dspark.weights import read_config, resolve_path
 
     path = resolve_path(path_or_repo, "drafter")
     config = read_config(path)
@@ -556,7 +556,7 @@ class TargetIO:
 
 
 def read_target_io(path_or_repo: str | Path) -> TargetIO:
-    from mlx_dspark.loading import read_config, resolve_path
+    from mlx_dspark.weights import read_config, resolve_path
 
     path = resolve_path(path_or_repo, "target")
     config = read_config(path)

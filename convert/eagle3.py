@@ -28,7 +28,7 @@ from mlx_dspark.eagle3_loading import (
     speculators_weights,
 )
 from mlx_dspark.errors import DSparkError
-from mlx_dspark.loading import read_config, read_weights, resolve_path
+from mlx_dspark.weights import read_config, read_weights, resolve_path
 
 from .common import atomic_output_dir
 

@@ -17,7 +17,8 @@ import numpy as np
 from .eagle3 import Eagle3Drafter
 from .eagle3_config import ARCHITECTURES, Eagle3Config
 from .errors import DSparkError
-from .loading import (
+from .target import TargetAdapter
+from .weights import (
     attach_embeddings,
     check_trained_for,
     dequantize_on_cpu,
@@ -26,7 +27,6 @@ from .loading import (
     read_weights,
     resolve_path,
 )
-from .target import TargetAdapter
 
 # Speculators tensors that are not drafter weights: the verifier's head and
 # norm (rebuilt from the target) and the target-to-draft mask (implied by d2t).

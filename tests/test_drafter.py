@@ -409,8 +409,9 @@ def test_quantized_checkpoint_is_dequantized_on_cpu_with_the_same_drafts(
 ):
     import mlx.nn as nn
 
-    from mlx_dspark.loading import build_drafter, read_config, read_weights
+    from mlx_dspark.loading import build_drafter
     from mlx_dspark.target import TargetAdapter
+    from mlx_dspark.weights import read_config, read_weights
 
     model, _, _, _, drafter_dir, _ = pair_factory(block_size=6)
     config = DraftConfig.from_dict(read_config(drafter_dir))

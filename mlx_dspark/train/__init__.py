@@ -37,7 +37,6 @@ import numpy as np
 from ..data import Sequence, load_sequences, regenerate, sha256
 from ..drafter import DSparkDrafter
 from ..errors import DSparkError
-from ..loading import resolve_path
 from ..target import TargetAdapter
 from ..training.batches import (
     Batch,
@@ -78,6 +77,7 @@ from ..training.trainer import (
     optimise,
     schedule,
 )
+from ..weights import resolve_path
 
 __all__ = [
     "TrainArgs",

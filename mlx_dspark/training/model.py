@@ -14,8 +14,9 @@ from ..config import DraftConfig
 from ..drafter import DraftAttention, DraftLayer, DSparkDrafter, Gemma4DraftLayer
 from ..errors import DSparkError
 from ..heads import GatedMarkovHead
-from ..loading import dequantize, load_drafter
+from ..loading import load_drafter
 from ..target import TargetAdapter
+from ..weights import dequantize
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
