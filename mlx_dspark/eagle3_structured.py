@@ -15,7 +15,6 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
 
 from .eagle3 import Eagle3Drafter
 from .eagle3_config import Eagle3Config
@@ -26,6 +25,7 @@ from .structured import (
     _save,
     _target_weights,
     _tokenizer_files,
+    random_weights,
     target_config,
 )
 
@@ -75,15 +75,7 @@ def eagle3_weights(
     d, m = spec.hidden_size, spec.code_dims
     config = Eagle3Config.from_deepspec(eagle3_config(spec))
     drafter = Eagle3Drafter(config)
-    weights = {}
-    for name, value in tree_flatten(drafter.parameters()):
-        if name.endswith("norm.weight"):
-            weights[name] = np.ones(value.shape, np.float32)
-        else:
-            fan_in = value.shape[-1]
-            weights[name] = rng.standard_normal(value.shape).astype(
-                np.float32
-            ) / np.sqrt(fan_in)
+    weights = random_weights(drafter, rng)
     taps = len(config.target_layer_ids)
     fc = 0.05 * weights["fc.weight"]
     fc[:, (taps - 1) * d :] += np.eye(d, dtype=np.float32)

@@ -136,14 +136,11 @@ def drafter_config(spec: PairSpec) -> dict:
 PERTURBED = ("o_proj.weight", "down_proj.weight")
 
 
-def _target_weights(
-    spec: PairSpec, codes: np.ndarray, chain: np.ndarray, rng, store=np.float32
-) -> dict:
-    d, m, v = spec.hidden_size, spec.code_dims, spec.vocab_size
-    model = qwen3.Model(qwen3.ModelArgs.from_dict(target_config(spec)))
+def random_weights(module, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Float32 tensors for every parameter of ``module``: norms at one, the
+    rest normal with variance 1 / fan-in."""
     weights = {}
-    scale = spec.perturbation / np.sqrt(spec.num_layers)
-    for name, value in tree_flatten(model.parameters()):
+    for name, value in tree_flatten(module.parameters()):
         if name.endswith("norm.weight"):
             weights[name] = np.ones(value.shape, np.float32)
         else:
@@ -151,9 +148,21 @@ def _target_weights(
             weights[name] = rng.standard_normal(value.shape).astype(
                 np.float32
             ) / np.sqrt(fan_in)
+    return weights
+
+
+def _target_weights(
+    spec: PairSpec, codes: np.ndarray, chain: np.ndarray, rng, store=np.float32
+) -> dict:
+    d, m, v = spec.hidden_size, spec.code_dims, spec.vocab_size
+    model = qwen3.Model(qwen3.ModelArgs.from_dict(target_config(spec)))
+    weights = random_weights(model, rng)
+    scale = spec.perturbation / np.sqrt(spec.num_layers)
+    for name, value in weights.items():
+        if not name.endswith("norm.weight"):
             if name.endswith(PERTURBED):
-                weights[name] *= scale
-            weights[name] = weights[name].astype(store, copy=False)
+                value *= scale
+            weights[name] = value.astype(store, copy=False)
     embed = np.zeros((v, d), np.float32)
     embed[:, :m] = codes
     embed[: v - 1, m] = 1.0
