@@ -316,7 +316,10 @@ def test_resume_equals_uninterrupted(setup):
     assert stopped.out is None and not Path(parts.out).exists()
     with pytest.raises(DSparkError, match="--resume"):
         train(parts)
-    resumed = train(replace(parts, resume=True))
+    moved = Path(parts.out).parent / "moved" / Path(parts.data[0]).name
+    moved.parent.mkdir()
+    shutil.copy(parts.data[0], moved)
+    resumed = train(replace(parts, resume=True, data=[str(moved)]))
     assert resumed.status == "done" and resumed.step == 10
     a, b = _checkpoint_weights(whole), _checkpoint_weights(resumed)
     assert a.keys() == b.keys()

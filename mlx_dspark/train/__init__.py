@@ -692,10 +692,22 @@ def _record(
     }  # fmt: skip
 
 
+def _by_content(value):
+    """An identity entry with file paths left out: data files are the same
+    data wherever they now lie, as their sha256 says."""
+    if isinstance(value, list):
+        return [_by_content(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _by_content(v) for k, v in value.items() if k != "path"}
+    return value
+
+
 def _resume(args, ckpt: Path, drafter, optimizer, identity: dict) -> LoopState:
     state = load_checkpoint(ckpt, drafter, optimizer)
     saved = state.get("identity", {})
-    changed = [k for k, v in identity.items() if saved.get(k) != v]
+    changed = [
+        k for k, v in identity.items() if _by_content(saved.get(k)) != _by_content(v)
+    ]
     if changed:
         raise DSparkError(
             f"--resume needs the same settings and data as the checkpoint; "
