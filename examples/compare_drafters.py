@@ -19,7 +19,7 @@ each drafter. DSpark and DFlash train ``--steps`` steps of ten sequences
 with 64 anchored blocks of 7; EAGLE-3 trains every position of its
 sequences, 7 unrolled steps each, so it gets the steps that supervise as
 many predictions (computed from the data by the library's own batch
-makers). Wall-clock is not equalised (an EAGLE-3 prediction cost 1.9 times a
+makers). Wall-clock is not equalised (an EAGLE-3 prediction cost 2.7 times a
 DSpark one here: a twice-wide attention input and attention over the
 unrolled steps) but each drafter's training time is printed before the
 tables. The full run: docs/training.md, "DFlash and EAGLE-3 drafters". The three share the
