@@ -218,10 +218,6 @@ class DSparkDrafter(DraftVocabulary, nn.Module):
             self.confidence_head = ConfidenceHead(config.confidence_input_dim)
         else:
             self.confidence_head = None
-        if config.reduced_vocab:
-            # Target id of each draft id (a reduced draft vocabulary).
-            self.draft_to_target = mx.arange(config.draft_vocab_size, dtype=mx.int32)
-            self.freeze(keys=["draft_to_target"], recurse=False)
         self.init_vocabulary()
         self._compiled_chain: dict[type, Callable] | None = None
         # The default policy of this drafter's last generation, whose
@@ -332,20 +328,6 @@ class DSparkDrafter(DraftVocabulary, nn.Module):
             hidden = mx.concatenate([hidden, prev], axis=-1)
         return self.confidence_head(hidden).astype(mx.float32)
 
-    def draft_ids_to_target(self, draft_logits: mx.array) -> mx.array:
-        """Greedy target ids from draft-vocabulary rows without full rows.
-
-        Equal to ``argmax(to_target(draft_logits))``: among the maxima the
-        smallest target id wins, as ``argmax`` over the full row picks it.
-        """
-        if not self.config.reduced_vocab:
-            return mx.argmax(draft_logits, axis=-1)
-        best = draft_logits.max(axis=-1, keepdims=True)
-        ids = mx.where(
-            draft_logits == best, self.draft_to_target, self.config.vocab_size
-        )
-        return ids.min(axis=-1)
-
     def propose(
         self,
         hidden: mx.array,
@@ -426,8 +408,7 @@ class DSparkDrafter(DraftVocabulary, nn.Module):
 
     def _draw(self, weights: mx.array, key: mx.array | None) -> mx.array:
         """A target id per row of draft-vocabulary log-weights."""
-        index = mx.random.categorical(weights, key=key)
-        return self.draft_to_target[index] if self.config.reduced_vocab else index
+        return self.target_ids(mx.random.categorical(weights, key=key))
 
     def _head_state(self, anchor: mx.array) -> mx.array | None:
         head = self.markov_head

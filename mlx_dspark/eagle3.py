@@ -221,9 +221,6 @@ class Eagle3Drafter(DraftVocabulary, nn.Module):
             for i in range(config.num_hidden_layers)
         ]
         self.norm = nn.RMSNorm(d, eps=config.rms_norm_eps)
-        if config.reduced_vocab:
-            self.draft_to_target = mx.arange(config.draft_vocab_size, dtype=mx.int32)
-            self.freeze(keys=["draft_to_target"], recurse=False)
         self.init_vocabulary()
         # As DSparkDrafter's: the default policy of the last generation.
         self.policy_memory = None
@@ -250,20 +247,6 @@ class Eagle3Drafter(DraftVocabulary, nn.Module):
         ``norm``, unless ``norm_output`` normed them already)."""
         h = hidden if self.config.norm_output else self.norm(hidden)
         return self.head(h)
-
-    def target_ids(self, draft_ids: mx.array) -> mx.array:
-        if not self.config.reduced_vocab:
-            return draft_ids
-        return self.draft_to_target[draft_ids]
-
-    def greedy_ids(self, logits: mx.array) -> mx.array:
-        """``argmax(to_target(logits))`` without building full rows (ties go to
-        the smallest target id, as ``argmax`` over the full row)."""
-        if not self.config.reduced_vocab:
-            return mx.argmax(logits, axis=-1)
-        best = logits.max(axis=-1, keepdims=True)
-        ids = mx.where(logits == best, self.draft_to_target, self.config.vocab_size)
-        return ids.min(axis=-1)
 
     # -------------------------------------------------------------- forward
     def make_cache(self) -> Eagle3Cache:
@@ -358,7 +341,7 @@ class Eagle3Drafter(DraftVocabulary, nn.Module):
             if bias is not None:
                 row, carry, forced = bias.row(k, row, prev, carry, ids)
             if params.greedy:
-                token = self.greedy_ids(row)
+                token = self.draft_ids_to_target(row)
             elif coupled:
                 token, weights = mlx_lm_draw(self.to_target(row), params, keys[k])
                 drawn.append(weights)

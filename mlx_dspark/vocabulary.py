@@ -22,7 +22,14 @@ class DraftVocabulary:
     ``draft_to_target`` (the target id of each draft id)."""
 
     def init_vocabulary(self) -> None:
-        """No shared embedding or head yet (call in ``__init__``)."""
+        """No shared embedding or head yet, and with a reduced draft
+        vocabulary a frozen ``draft_to_target`` (filled in by loading or
+        training). Call in ``__init__``."""
+        if self.config.reduced_vocab:
+            self.draft_to_target = mx.arange(
+                self.config.draft_vocab_size, dtype=mx.int32
+            )
+            self.freeze(keys=["draft_to_target"], recurse=False)
         self._shared_embed: Callable[[mx.array], mx.array] | None = None
         self._shared_head: Callable[[mx.array], mx.array] | None = None
 
@@ -103,6 +110,26 @@ class DraftVocabulary:
         if self.config.reduced_vocab:
             return self.draft_to_target
         return mx.arange(self.config.output_vocab_size, dtype=mx.int32)
+
+    def target_ids(self, draft_ids: mx.array) -> mx.array:
+        """The target ids of draft-vocabulary ids."""
+        if not self.config.reduced_vocab:
+            return draft_ids
+        return self.draft_to_target[draft_ids]
+
+    def draft_ids_to_target(self, draft_logits: mx.array) -> mx.array:
+        """Greedy target ids from draft-vocabulary rows without full rows.
+
+        Equal to ``argmax(to_target(draft_logits))``: among the maxima the
+        smallest target id wins, as ``argmax`` over the full row picks it.
+        """
+        if not self.config.reduced_vocab:
+            return mx.argmax(draft_logits, axis=-1)
+        best = draft_logits.max(axis=-1, keepdims=True)
+        ids = mx.where(
+            draft_logits == best, self.draft_to_target, self.config.vocab_size
+        )
+        return ids.min(axis=-1)
 
     def _in_draft_vocab(self, params: SamplingParams) -> SamplingParams:
         """``params`` for processing draft-vocabulary rows: XTC's special
