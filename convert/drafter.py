@@ -120,7 +120,9 @@ DSPARK_KEYS = (
 # Files beside the weights that a conversion carries over.
 CALIBRATION_FILE = "dspark_calibration.json"
 TRAINING_RECORD = "training_record.json"
-PHRASES_FILE = "phrases.npy"  # the phrase store (mlx_dspark.lookup), token ids
+PHRASES_FILE = (
+    "phrases.npy"  # the phrase store (mlx_dspark.proposers.lookup), token ids
+)
 
 
 # --------------------------------------------------------------------- sources
@@ -301,7 +303,7 @@ def _source_id(path_or_repo: str | Path, path: Path) -> str:
 
 def open_drafter(path_or_repo: str | Path) -> DrafterSource:
     """Read and validate a drafter's config and tensor table (no tensor data)."""
-    from mlx_dspark.weights import read_config, resolve_path
+    from mlx_dspark.checkpoints.weights import read_config, resolve_path
 
     path = resolve_path(path_or_repo, "drafter")
     config = read_config(path)
@@ -420,43 +422,12 @@ def deepspec_config_to_speculators(
     return out
 
 
-def draft_to_target_ids(
-    d2t: np.ndarray, t2d: np.ndarray | None, vocab_size: int
-) -> np.ndarray:
-    """Absolute target ids of the draft ids from a speculators ``d2t`` table
-    (offsets by convention; absolute tables are recognised)."""
-    d2t = d2t.astype(np.int64).reshape(-1)
-    offset = d2t + np.arange(d2t.size)
-    candidates = [("offset", offset), ("absolute", d2t)]
-
-    def valid(ids):
-        return (
-            ids.min(initial=0) >= 0
-            and ids.max(initial=0) < vocab_size
-            and np.unique(ids).size == ids.size
-        )
-
-    if t2d is not None:
-        t2d = t2d.reshape(-1)
-        if t2d.size != vocab_size:
-            raise DSparkError(
-                f"t2d has {t2d.size} entries, but the target vocabulary has {vocab_size}."
-            )
-        mapped = set(np.flatnonzero(t2d).tolist())
-        for _, ids in candidates:
-            if valid(ids) and set(ids.tolist()) == mapped:
-                return ids
-        raise DSparkError("The d2t and t2d vocabulary maps do not agree.")
-    for _, ids in candidates:
-        if valid(ids):
-            return ids
-    raise DSparkError("The d2t map does not map draft ids to distinct target ids.")
-
-
 def speculators_tensors_to_deepspec(
     config: dict[str, Any], tensors: dict[str, Tensor]
 ) -> tuple[dict[str, Tensor], list[str]]:
     import mlx.core as mx
+
+    from mlx_dspark.checkpoints.weights import draft_to_target_ids
 
     notes = []
     tensors = dict(tensors)
@@ -503,8 +474,8 @@ def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """Parameter shapes of a float drafter for ``config`` (no embeddings)."""
     from mlx.utils import tree_flatten
 
-    from mlx_dspark.config import DraftConfig
-    from mlx_dspark.drafter import DSparkDrafter
+    from mlx_dspark.proposers.dspark import DSparkDrafter
+    from mlx_dspark.proposers.dspark_config import DraftConfig
 
     draft_config = DraftConfig.from_dict(config)
     drafter = DSparkDrafter(draft_config)
@@ -556,7 +527,7 @@ class TargetIO:
 
 
 def read_target_io(path_or_repo: str | Path) -> TargetIO:
-    from mlx_dspark.weights import read_config, resolve_path
+    from mlx_dspark.checkpoints.weights import read_config, resolve_path
 
     path = resolve_path(path_or_repo, "target")
     config = read_config(path)

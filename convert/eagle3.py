@@ -1,7 +1,7 @@
 """Convert EAGLE-3 drafters (DeepSpec, speculators, or MLX ones written here)
 into MLX directories, optionally quantized (2-8 bit).
 
-The output is the DeepSpec layout that :func:`mlx_dspark.eagle3_loading.load_eagle3`
+The output is the DeepSpec layout that :func:`mlx_dspark.checkpoints.eagle3.load_eagle3`
 reads: ``config.json`` (``architectures`` naming the flavour; a speculators
 Llama-style drafter becomes ``LlamaEagle3Model``) with mlx-lm's
 ``quantization`` block, and ``model.safetensors`` with DeepSpec tensor names
@@ -20,15 +20,15 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlx_dspark.eagle3_config import Eagle3Config
-from mlx_dspark.eagle3_loading import (
+from mlx_dspark.checkpoints.eagle3 import (
     is_eagle3,
     is_speculators_eagle3,
     read_eagle3_config,
     speculators_weights,
 )
+from mlx_dspark.checkpoints.weights import read_config, read_weights, resolve_path
 from mlx_dspark.errors import DSparkError
-from mlx_dspark.weights import read_config, read_weights, resolve_path
+from mlx_dspark.proposers.eagle3_config import Eagle3Config
 
 from .common import atomic_output_dir
 

@@ -21,10 +21,10 @@ from rich.console import Console
 from rich.table import Table
 
 from mlx_dspark import load, stream_generate
-from mlx_dspark.calibrate import calibrate_pair
 from mlx_dspark.machine import detect_blas
-from mlx_dspark.profile import get_profile
-from mlx_dspark.structured import PairSpec, build_structured_pair
+from mlx_dspark.pairs.structured import PairSpec, build_structured_pair
+from mlx_dspark.policy.calibrate import calibrate_pair
+from mlx_dspark.policy.profile import get_profile
 from mlx_dspark.utils import cache_dir
 
 # name: (spec, calibration rounds, max tokens per prompt, prompts)

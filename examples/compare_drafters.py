@@ -83,8 +83,8 @@ def eagle3_steps(target: Path, files: list[Path], steps: int) -> int:
     steps, on average over the data."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from mlx_dspark.data import load_sequences
     from mlx_dspark.training.batches import make_batch
+    from mlx_dspark.training.data import load_sequences
     from mlx_dspark.training.eagle3 import make_eagle3_batch
 
     sequences, _ = load_sequences(files, load_tokenizer(target), SEQ_LEN)
@@ -119,7 +119,7 @@ def main() -> None:
     env = dict(os.environ)
     if sys.platform == "linux" and Path(OPENBLAS).exists():
         env.setdefault("LD_PRELOAD", OPENBLAS)
-    from mlx_dspark.default import target_dir
+    from mlx_dspark.pairs.default import target_dir
 
     target = target_dir()
     files = training_files(args.shards)

@@ -11,9 +11,9 @@ import statistics
 import time
 
 # isort: off
-from mlx_dspark.default import drafter_dir, target_dir  # first: a fast BLAS
-from mlx_dspark.loading import load_drafter
-from mlx_dspark.sampling import SamplingParams
+from mlx_dspark.pairs.default import drafter_dir, target_dir  # first: a fast BLAS
+from mlx_dspark.checkpoints.loading import load_drafter
+from mlx_dspark.sampling.processing import SamplingParams
 
 import mlx.core as mx
 from mlx_lm import load

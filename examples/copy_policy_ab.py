@@ -40,12 +40,13 @@ from eval_default_pair import held_out_sets
 from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 from mlx_lm.sample_utils import make_sampler
 
-from mlx_dspark.calibration import CalibrationResult
-from mlx_dspark.lookup import PhraseStore
-from mlx_dspark.loop import speculative_generate_step
-from mlx_dspark.policies import resolve_policy
-from mlx_dspark.settings import build_settings
-from mlx_dspark.target import TargetAdapter
+from mlx_dspark.decoding.loop import speculative_generate_step
+from mlx_dspark.policy.calibration import CalibrationResult
+from mlx_dspark.policy.policies import resolve_policy
+from mlx_dspark.policy.settings import build_settings
+from mlx_dspark.proposers.copying import pair_proposer
+from mlx_dspark.proposers.lookup import PhraseStore
+from mlx_dspark.targets.adapter import TargetAdapter
 
 
 @dataclasses.dataclass
@@ -74,12 +75,10 @@ def pair_tokens(
     steps = speculative_generate_step(
         mx.array(prompt),
         target,
-        drafter,
+        pair_proposer(drafter, copy_draft, as_is and copy_draft is not None),
         num_draft=drafter.block_size,
         max_tokens=max_tokens,
         policy=policy,
-        copy_draft=copy_draft,
-        copy_as_is=as_is and copy_draft is not None,
     )
     count = 0
     for token, _ in steps:

@@ -4,7 +4,7 @@
 
 For each pair: the target forward's time at k = 1 .. ``--k-max`` query tokens
 (verifying k - 1 drafts) at contexts 64 and 256, and one drafting round, as
-the default policy measures them (:func:`mlx_dspark.profile.measure_profile`).
+the default policy measures them (:func:`mlx_dspark.policy.profile.measure_profile`).
 The pairs are measured in turn ``--rounds`` times, interleaved, and the
 median of each figure is printed: milliseconds, and the cost relative to a
 one-token step. Run it on an otherwise idle machine; it prints the BLAS used.
@@ -22,8 +22,8 @@ import numpy as np
 
 from mlx_dspark.blas import mapped_libraries
 from mlx_dspark.errors import DSparkError
-from mlx_dspark.profile import measure_profile
-from mlx_dspark.target import TargetAdapter
+from mlx_dspark.policy.profile import measure_profile
+from mlx_dspark.targets.adapter import TargetAdapter
 
 
 def main() -> None:

@@ -35,8 +35,8 @@ from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 from mlx_lm.sample_utils import make_sampler
 
 from mlx_dspark import stream_generate
-from mlx_dspark.default import default_pair
 from mlx_dspark.errors import DSparkError
+from mlx_dspark.pairs.default import default_pair
 
 CHAT = [
     "What are three tips for getting better sleep?",

@@ -15,7 +15,7 @@ What it writes (float32, about 0.7 MB):
 
 * ``target/``: the structured Qwen3 target (an mlx-lm directory) and
   ``qwen3/``: its structured EAGLE-3 drafter in DeepSpec's layout
-  (:mod:`mlx_dspark.eagle3_structured`); ``qwen3_rounds.json``: DeepSpec's
+  (:mod:`mlx_dspark.pairs.eagle3_structured`); ``qwen3_rounds.json``: DeepSpec's
   greedy evaluator loop (``generate_decoding_sample`` with
   ``Qwen3Eagle3Evaluator``'s propose/update) on a few prompts: output
   tokens, committed tokens per round and each round's drafts;
@@ -466,7 +466,7 @@ def main() -> None:
     args = parser.parse_args()
     sys.path.insert(0, args.deepspec)
     torch.manual_seed(0)
-    from mlx_dspark.eagle3_structured import build_eagle3_pair
+    from mlx_dspark.pairs.eagle3_structured import build_eagle3_pair
 
     out = Path(args.out)
     if out.exists():

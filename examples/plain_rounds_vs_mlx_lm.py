@@ -19,10 +19,11 @@ import time
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-from mlx_dspark.default import default_pair
+from mlx_dspark.decoding.loop import ThresholdPolicy, speculative_generate_step
 from mlx_dspark.loading import load
-from mlx_dspark.loop import ThresholdPolicy, speculative_generate_step
-from mlx_dspark.target import TargetAdapter
+from mlx_dspark.pairs.default import default_pair
+from mlx_dspark.proposers.copying import pair_proposer
+from mlx_dspark.targets.adapter import TargetAdapter
 
 
 def decode_rate(steps, tokens: int) -> float:
@@ -56,7 +57,7 @@ def main() -> None:
         steps = speculative_generate_step(
             prompt,
             target,
-            drafter,
+            pair_proposer(drafter),
             num_draft=0,
             max_tokens=tokens,
             policy=ThresholdPolicy(),

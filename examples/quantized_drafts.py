@@ -23,8 +23,9 @@ from mlx_dspark.convert.drafter import convert_drafter
 from mlx_lm.generate import generate_step
 
 from mlx_dspark import stream_generate
-from mlx_dspark.loading import load, load_drafter
-from mlx_dspark.structured import PairSpec, build_structured_pair
+from mlx_dspark.checkpoints.loading import load_drafter
+from mlx_dspark.loading import load
+from mlx_dspark.pairs.structured import PairSpec, build_structured_pair
 
 PROMPTS = [[1, 2, 3], [7, 8], [20, 4, 11, 9], [0], [13, 5, 5, 21, 2, 17], [25, 3]]
 

@@ -9,7 +9,7 @@ would:
 
 - replay (what the adapter does): one forward over the 8 tokens, then the
   state before it restored and each linear-attention layer run again over the
-  kept tokens (:class:`mlx_dspark.target.RecurrentCache`);
+  kept tokens (:class:`mlx_dspark.targets.adapter.RecurrentCache`);
 - per-token states: the linear-attention layers step one token at a time in
   the verifying forward, keeping the state after each token, and the kept
   one is selected (no second pass).
@@ -28,7 +28,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import qwen3_5
 
-from mlx_dspark.target import RecurrentCache, TargetAdapter
+from mlx_dspark.targets.adapter import RecurrentCache, TargetAdapter
 
 ROUND = 8
 

@@ -35,9 +35,9 @@ from mlx_lm.sample_utils import make_sampler
 
 from mlx_dspark import load, stream_generate
 from mlx_dspark.benchmark.prompts import encode_prompt, load_prompts
-from mlx_dspark.coupled import TokenKeys, mlx_lm_token
-from mlx_dspark.sampling import SamplingParams
-from mlx_dspark.settings import build_settings
+from mlx_dspark.policy.settings import build_settings
+from mlx_dspark.sampling.coupled import TokenKeys, mlx_lm_token
+from mlx_dspark.sampling.processing import SamplingParams
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:

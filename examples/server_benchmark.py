@@ -201,13 +201,13 @@ def stop_process(process: subprocess.Popen) -> None:
 def pair_paths(name: str, args) -> tuple[str, str, list[str], bool]:
     """``(target, drafter, prompts, chat)`` of a pair."""
     if name == "demo":
-        from mlx_dspark.structured import demo_pair
+        from mlx_dspark.pairs.structured import demo_pair
 
         target, draft = demo_pair()
         return str(target), str(draft), DEMO_PROMPTS, False
     if args.model:
         return args.model, args.draft_model, PROMPTS, True
-    from mlx_dspark.default import default_pair
+    from mlx_dspark.pairs.default import default_pair
 
     target, draft = default_pair()
     return str(target), str(draft), PROMPTS, True

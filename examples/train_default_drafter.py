@@ -17,7 +17,7 @@ Steps (each is skipped when its output already exists, so a rerun resumes):
    requests and everyday arithmetic, plus "Explain this code" and "Summarise
    this passage" over that text.
 3. The target answers every prompt at T=0 and at T=0.7 (up to 192 tokens,
-   batches of 64, ``mlx_dspark.data.regenerate_shards``) into compressed
+   batches of 64, ``mlx_dspark.training.data.regenerate_shards``) into compressed
    shards in ``examples/data/regenerated/`` (``--regen-dir``), which are
    committed to the repository with the prompt list: a shard that exists is
    skipped, so a rerun, in this session or a later one, continues where the
@@ -86,7 +86,7 @@ from eval_default_pair import CHAT as HELD_OUT_CHAT
 from eval_default_pair import EVALUATED_MODULES, held_out_modules
 from plot_learning_curves import curve
 
-from mlx_dspark.lookup import PHRASES_FILE, PhraseStore
+from mlx_dspark.proposers.lookup import PHRASES_FILE, PhraseStore
 from mlx_dspark.utils import encode_chat_prompt, write_text_atomic
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
@@ -228,7 +228,7 @@ VALIDATION_CODE_CHARS, VALIDATION_DOC_CHARS = 40_000, 20_000
 # ECE is mostly sampling noise: a perfectly calibrated head would show a
 # position-1 ECE of about 0.06 on 408 rounds, 0.03 on 1,440, 0.018 on 4,320.
 CALIBRATE_FLAGS = ["--rounds", "4320", "--max-tokens", "128"]
-# The logit bias on tokens copied from the context (``mlx_dspark.lookup``),
+# The logit bias on tokens copied from the context (``mlx_dspark.proposers.lookup``),
 # written into the last stage's config before it is calibrated: the best of
 # ``examples/tune_copy_bias.py`` on the validation answers and the last T=0
 # shard (0 is DeepSpec's drafting).
@@ -565,7 +565,7 @@ def regenerated(
     read back by later runs, so shard ``i`` always answers the same prompts,
     whatever Python standard library or book sdists a later machine has.
     """
-    from mlx_dspark.data import regenerate_shards
+    from mlx_dspark.training.data import regenerate_shards
 
     out.mkdir(parents=True, exist_ok=True)
     prompts_file = next(f for f in files if f.name == "prompts.jsonl")
@@ -619,7 +619,7 @@ def continued(
     """The target's continuations of :func:`continuation_prompts` as shards in
     ``out`` (resumable, like :func:`regenerated`; the prompt list is
     committed beside them)."""
-    from mlx_dspark.data import regenerate_shards
+    from mlx_dspark.training.data import regenerate_shards
 
     out.mkdir(parents=True, exist_ok=True)
     items = committed_prompts(
@@ -650,7 +650,7 @@ def bench_regeneration(
 
     from mlx_lm import load
 
-    from mlx_dspark.data import generate_answers
+    from mlx_dspark.training.data import generate_answers
 
     model, tokenizer = load(str(target))
     prompts_file = next(f for f in files if f.name == "prompts.jsonl")
@@ -733,7 +733,7 @@ def write_phrase_store(drafter: Path, regen_dir: Path) -> None:
     """The target's own T=0 answers, to the templated prompts
     (``t000-*``) and to its own requests (the first ``STORE_REQUEST_SHARDS``
     of ``REQUESTS_DIR``), as the drafter's phrase store
-    (``mlx_dspark.lookup.PhraseStore``)."""
+    (``mlx_dspark.proposers.lookup.PhraseStore``)."""
     shards = sorted(regen_dir.glob("t000-*.jsonl.gz"))
     shards += [REQUESTS_DIR / f"r{i:04d}.jsonl.gz" for i in range(STORE_REQUEST_SHARDS)]
     answers = []
@@ -755,7 +755,7 @@ def validation_files(target: Path, work: Path) -> list[Path]:
     if not chat.exists():
         from mlx_lm import load
 
-        from mlx_dspark.data import regenerate_shards
+        from mlx_dspark.training.data import regenerate_shards
 
         model, tokenizer = load(str(target))
         staging = out / "chat.tmp"

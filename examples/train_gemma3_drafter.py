@@ -9,7 +9,7 @@ Steps (each is skipped when its output exists, and training resumes from its
 checkpoint, so an interrupted run continues when given the same command):
 
 1. The target: the pair's float32 conversion of the Q4_K_M GGUF in the user
-   cache (``mlx_dspark.gemma3.target_dir``, assembled and converted on first
+   cache (``mlx_dspark.pairs.gemma3.target_dir``, assembled and converted on first
    use), or ``--target DIR``.
 2. Offline permissive text the target continues (``corpus/``): CPython
    standard-library modules (PSF license) not held out for evaluation
@@ -124,7 +124,7 @@ def target_dir(given: Path | None) -> Path:
             raise SystemExit(f"--target {given} is not an mlx-lm model directory.")
         return given
     from mlx_dspark.errors import DSparkError
-    from mlx_dspark.gemma3 import target_dir as pair_target
+    from mlx_dspark.pairs.gemma3 import target_dir as pair_target
 
     try:
         return pair_target()
@@ -260,9 +260,9 @@ def main() -> None:
 
 
 def install(drafter: Path) -> None:
-    """Copy the drafter where the pair finds it (``mlx_dspark.gemma3.drafter_dir``
+    """Copy the drafter where the pair finds it (``mlx_dspark.pairs.gemma3.drafter_dir``
     without a shipped one: the user cache), through a temporary directory."""
-    from mlx_dspark.gemma3 import DRAFTER_NAME
+    from mlx_dspark.pairs.gemma3 import DRAFTER_NAME
     from mlx_dspark.utils import cache_dir
 
     final = cache_dir() / DRAFTER_NAME

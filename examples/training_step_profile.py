@@ -25,10 +25,10 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx_lm import load
 
-from mlx_dspark.data import load_sequences
-from mlx_dspark.default import target_dir
-from mlx_dspark.target import TargetAdapter
+from mlx_dspark.pairs.default import target_dir
+from mlx_dspark.targets.adapter import TargetAdapter
 from mlx_dspark.training.batches import draft_vocabulary, make_batch
+from mlx_dspark.training.data import load_sequences
 from mlx_dspark.training.model import drafter_config, new_drafter
 from mlx_dspark.training.teacher import _gather, target_distribution
 from mlx_dspark.training.trainer import make_step

@@ -23,12 +23,13 @@ import mlx_dspark  # noqa: F401  (first: it loads a system OpenBLAS before mlx.c
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
+from mlx_dspark.decoding.loop import GenerationStats, speculative_generate_step
+from mlx_dspark.decoding.modes import TreeMode
 from mlx_dspark.loading import load
-from mlx_dspark.loop import GenerationStats, speculative_generate_step
 from mlx_dspark.machine import detect_blas
-from mlx_dspark.modes import TreeMode
-from mlx_dspark.structured import PairSpec, build_structured_pair
-from mlx_dspark.target import TargetAdapter
+from mlx_dspark.pairs.structured import PairSpec, build_structured_pair
+from mlx_dspark.proposers.copying import pair_proposer
+from mlx_dspark.targets.adapter import TargetAdapter
 
 PAIRS = {
     "tiny": PairSpec(block_size=8),
@@ -63,7 +64,7 @@ def speculative(target, drafter, prompt, max_tokens, budget):
         for t, _ in speculative_generate_step(
             mx.array(prompt),
             target,
-            drafter,
+            pair_proposer(drafter),
             num_draft=drafter.block_size,
             max_tokens=max_tokens,
             mode=mode,

@@ -5,10 +5,10 @@
 Teacher-forced on the recipe's validation answers (the target's T=0 answers to
 questions no template writes) and on its last regenerated T=0 shard: at every
 anchor, the drafter's rows for 7 drafts plus the bias on the tokens copied
-from the context (``mlx_dspark.lookup.continuation``) while the drafts follow
+from the context (``mlx_dspark.proposers.lookup.continuation``) while the drafts follow
 them, exactly as a greedy chain drafts them. Prints the mean accepted length
 (accepted drafts + 1) per bias and set, copying after matches of at least 1,
-2 or 3 tokens (``mlx_dspark.lookup.MIN_NGRAM``); the held-out sets of
+2 or 3 tokens (``mlx_dspark.proposers.lookup.MIN_NGRAM``); the held-out sets of
 ``eval_default_pair.py`` are never read.
 """
 
@@ -27,8 +27,8 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_dspark.errors import DSparkError
-from mlx_dspark.lookup import continuation
-from mlx_dspark.target import TargetAdapter
+from mlx_dspark.proposers.lookup import continuation
+from mlx_dspark.targets.adapter import TargetAdapter
 from mlx_dspark.training.loss import draft_logits
 from mlx_dspark.training.model import training_hidden
 

@@ -13,16 +13,16 @@ import mlx.nn as nn
 from mlx_lm.generate import GenerationResponse
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .copying import Drafter, own_proposer
-from .coupled import own_keys, resolve_sampling
+from .decoding.loop import GenerationStats, speculative_generate_step
 from .errors import DSparkError
-from .loop import GenerationStats, speculative_generate_step
-from .modes import tree_source
-from .policies import resolve_policy
-from .sampling import SamplingParams
-from .settings import SpeculationSettings, build_settings
-from .target import TargetAdapter
-from .telemetry import Telemetry
+from .policy.policies import resolve_policy
+from .policy.settings import SpeculationSettings, build_settings
+from .policy.telemetry import Telemetry
+from .proposers.base import tree_source
+from .proposers.copying import Drafter, own_proposer, pair_proposer
+from .sampling.coupled import own_keys, resolve_sampling
+from .sampling.processing import SamplingParams
+from .targets.adapter import TargetAdapter
 
 logger = logging.getLogger("mlx_dspark")
 
@@ -109,7 +109,7 @@ def stream_generate(
     ``DSPARK_CONFIDENCE_THRESHOLD`` or off; a given threshold wins over it.
     ``profile="refresh"`` re-measures the cost profile;
     ``profile_progress(done, total)`` follows a measurement. ``settings``: a
-    setup :func:`~mlx_dspark.settings.build_settings` already decided from
+    setup :func:`~mlx_dspark.policy.settings.build_settings` already decided from
     these arguments (then leave them out). Responses carry ``stats``,
     ``telemetry`` and ``settings`` (with its ``notes`` for the user).
 
@@ -117,14 +117,14 @@ def stream_generate(
     a chain (``num_draft`` then bounds its depth); 0 drafts a chain.
     ``min_tokens_to_keep``, ``prefill_step_size`` and the ``xtc_*`` arguments
     mean what they mean in mlx-lm (min-p filter, prompt tokens per prefill
-    forward, XTC sampling, see :class:`~mlx_dspark.sampling.SamplingParams`).
+    forward, XTC sampling, see :class:`~mlx_dspark.sampling.processing.SamplingParams`).
 
     ``seed``: sampled output is then token for token what
     ``mlx_lm.stream_generate`` gives after ``mx.random.seed(seed)`` with the
     same sampling arguments, whatever the policy, and the global key state
     is left alone. ``sampling``: ``"coupled"`` or ``"residual"`` (see
-    :mod:`~mlx_dspark.coupled`); None: coupled with a seed, else
-    :data:`~mlx_dspark.coupled.UNSEEDED_SAMPLING`. Coupled without a seed
+    :mod:`~mlx_dspark.sampling.coupled`); None: coupled with a seed, else
+    :data:`~mlx_dspark.sampling.coupled.UNSEEDED_SAMPLING`. Coupled without a seed
     draws from the global key state as mlx-lm does (so ``mx.random.seed(S)``
     before the call reproduces mlx-lm's output too). A seed with
     ``"residual"`` repeats only with a fixed ``num_draft``.
@@ -184,7 +184,7 @@ def stream_generate(
         tokens = speculative_generate_step(
             prompt,
             target,
-            drafter,
+            pair_proposer(drafter, settings.copy_draft, settings.copy_as_is),
             params=params,
             num_draft=settings.num_draft,
             max_tokens=max_tokens,
@@ -193,8 +193,6 @@ def stream_generate(
             seed=seed,
             stats=stats,
             prefill_step_size=prefill_step_size,
-            copy_draft=settings.copy_draft,
-            copy_as_is=settings.copy_as_is,
             sampling=sampling,
         )
 

@@ -12,7 +12,7 @@ import os
 import platform
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
 
@@ -246,3 +246,17 @@ def model_bytes(model: nn.Module) -> int:
     """Bytes of a module's parameters; quantized weights count their packed size."""
     arrays = {id(v): v for _, v in tree_flatten(model.parameters())}
     return sum(v.nbytes for v in arrays.values())
+
+
+def diagnose() -> dict:
+    """Everything ``mlx_dspark.doctor`` reports, as JSON-able values."""
+    info = system_info()
+    gflops = measure_matmul_gflops()
+    cpu_gflops = gflops if info["backend"] == "cpu" else None
+    blas = detect_blas(cpu_gflops)
+    return {
+        **info,
+        "matmul_gflops": gflops,
+        "bandwidth": measure_bandwidth(),
+        "blas": asdict(blas),
+    }

@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_dspark.loading import load
-from mlx_dspark.structured import PairSpec, build_structured_pair
+from mlx_dspark.pairs.structured import PairSpec, build_structured_pair
 
 HEADS = ["vanilla", "gated", "rnn", None]
 

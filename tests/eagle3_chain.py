@@ -7,12 +7,12 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from mlx_dspark.coupled import TokenKeys, mlx_lm_token
-from mlx_dspark.eagle3 import Eagle3Drafter
-from mlx_dspark.modes import ChainMode
-from mlx_dspark.sampling import SamplingParams, probabilities
-from mlx_dspark.target import TargetAdapter
-from mlx_dspark.verify import draw
+from mlx_dspark.decoding.modes import ChainMode
+from mlx_dspark.decoding.verify import draw
+from mlx_dspark.proposers.eagle3 import Eagle3Drafter
+from mlx_dspark.sampling.coupled import TokenKeys, mlx_lm_token
+from mlx_dspark.sampling.processing import SamplingParams, probabilities
+from mlx_dspark.targets.adapter import TargetAdapter
 
 
 def generate_chain(

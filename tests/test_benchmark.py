@@ -27,7 +27,7 @@ MAX_TOKENS = 24
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
     from mlx_dspark.loading import load
-    from mlx_dspark.structured import PairSpec, build_structured_pair
+    from mlx_dspark.pairs.structured import PairSpec, build_structured_pair
 
     directory = tmp_path_factory.mktemp("bench-pair")
     target_dir, drafter_dir = build_structured_pair(directory, PairSpec(block_size=6))
@@ -230,7 +230,7 @@ def test_not_a_trace_is_refused(tmp_path, capsys, small):
 
 
 def test_profile_splits_a_round_into_every_stage(small, capsys):
-    from mlx_dspark.roundprofile import STAGES, profile_rounds
+    from mlx_dspark.policy.roundprofile import STAGES, profile_rounds
 
     pair, target_dir, drafter_dir = small
     profile = profile_rounds(pair.adapter, pair.drafter, PROMPTS, MAX_TOKENS, 6)

@@ -7,8 +7,8 @@ from test_benchmark import run_cli
 
 from mlx_dspark.benchmark import REPORT_SCHEMA, validate
 from mlx_dspark.benchmark.compare import parse_contender
-from mlx_dspark.structured import PairSpec, build_structured_pair
-from mlx_dspark.train import TrainArgs, train
+from mlx_dspark.pairs.structured import PairSpec, build_structured_pair
+from mlx_dspark.training.run import TrainArgs, train
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,8 @@ import sys
 import numpy as np
 import pytest
 
-from mlx_dspark.calibration import (
+from mlx_dspark.errors import DSparkError
+from mlx_dspark.policy.calibration import (
     CalibrationRecord,
     CalibrationResult,
     OffsetFit,
@@ -23,7 +24,6 @@ from mlx_dspark.calibration import (
     roc_auc,
     sigmoid,
 )
-from mlx_dspark.errors import DSparkError
 
 T_TRUE = np.array([2.5, 0.5, 1.5, 1.0])
 

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from mlx_dspark.default import find_target_gguf
-from mlx_dspark.structured import build_structured_pair
+from mlx_dspark.pairs.default import find_target_gguf
+from mlx_dspark.pairs.structured import build_structured_pair
 
 
 def run(*args, stdin=None, env=None):

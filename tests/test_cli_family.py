@@ -13,7 +13,7 @@ import pytest
 
 import mlx_dspark
 from mlx_dspark.cli.main import COMMANDS
-from mlx_dspark.structured import PairSpec, build_structured_pair
+from mlx_dspark.pairs.structured import PairSpec, build_structured_pair
 
 BIN = Path(sys.executable).parent
 
@@ -273,70 +273,11 @@ def test_no_command_line_code_outside_the_cli_package():
     assert len(list(_package_files())) > 20
 
 
-# Modules that only start a command (``python -m mlx_dspark.<command>``): the
-# ``__main__`` modules, and these two of the package's top level.
-ENTRY_POINTS = {"mlx_dspark.generate", "mlx_dspark.server"}
-
-
-def _package_imports() -> dict[str, set[str]]:
-    """Every module of the package and the package modules it imports
-    (lazily inside functions too), by dotted name."""
-    root = Path(mlx_dspark.__file__).parent
-    paths = {}
-    for path in [*_package_files(), *(root / "cli").glob("*.py")]:
-        if path.is_relative_to(root):
-            parts = list(path.relative_to(root.parent).with_suffix("").parts)
-        else:  # the converters, installed as mlx_dspark.convert
-            parts = ["mlx_dspark", "convert", path.stem]
-        if parts[-1] == "__init__":
-            parts.pop()
-        paths[".".join(parts)] = path
-    imports = {}
-    for name, path in paths.items():
-        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-        found = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                module = node.module or ""
-                if node.level:
-                    parts = package.split(".")
-                    base = parts[: len(parts) - node.level + 1]
-                    module = ".".join([*base, module] if module else base)
-                found |= {module, *(f"{module}.{a.name}" for a in node.names)}
-            elif isinstance(node, ast.Import):
-                found |= {alias.name for alias in node.names}
-        imports[name] = {m for m in found if m in paths and m != name}
-    return imports, paths
-
-
-def test_library_and_command_line_stand_in_layers():
-    imports, paths = _package_imports()
-    assert {"mlx_dspark.adaptive", "mlx_dspark.policies"} <= set(imports)
-    library = {
-        name
-        for name, path in paths.items()
-        if not name.startswith("mlx_dspark.cli")
-        and name not in ENTRY_POINTS
-        and path.name != "__main__.py"
-    }
-    reaching_up = sorted(
-        f"{name} imports {module}"
-        for name in library
-        for module in imports[name]
-        if module.startswith("mlx_dspark.cli")
-    )
-    assert not reaching_up, reaching_up
-    circles = sorted(
-        f"{a} <-> {b}" for a in library for b in imports[a] if b > a and a in imports[b]
-    )
-    assert not circles, circles
-
-
 def test_library_reports_progress_through_callbacks(
     pair_factory, tmp_path, monkeypatch, capsys
 ):
-    from mlx_dspark.calibrate import calibrate_pair
-    from mlx_dspark.profile import get_profile
+    from mlx_dspark.policy.calibrate import calibrate_pair
+    from mlx_dspark.policy.profile import get_profile
 
     monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path))
     model, tokenizer, drafter, *_ = pair_factory()

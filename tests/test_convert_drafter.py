@@ -9,12 +9,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_dspark.convert.__main__ import main as convert_main
-from mlx_dspark.convert.drafter import (
-    DSPARK_KEYS,
-    convert_drafter,
-    draft_to_target_ids,
-    plan_drafter,
-)
+from mlx_dspark.convert.drafter import DSPARK_KEYS, convert_drafter, plan_drafter
 from test_greedy import target_greedy
 from test_sampling import (
     chi_square,
@@ -24,11 +19,13 @@ from test_sampling import (
 )
 
 from mlx_dspark import stream_generate
+from mlx_dspark.checkpoints.loading import load_drafter
+from mlx_dspark.checkpoints.weights import draft_to_target_ids
+from mlx_dspark.decoding.loop import GenerationStats
 from mlx_dspark.errors import DSparkError
-from mlx_dspark.loading import load, load_drafter
-from mlx_dspark.loop import GenerationStats
-from mlx_dspark.sampling import SamplingParams
-from mlx_dspark.structured import PairSpec, build_structured_pair
+from mlx_dspark.loading import load
+from mlx_dspark.pairs.structured import PairSpec, build_structured_pair
+from mlx_dspark.sampling.processing import SamplingParams
 
 # Every quantized matrix's input axis is a multiple of 128; Markov rank 128.
 DIMS = dict(hidden_size=128, head_dim=32, intermediate_size=256, markov_rank=128)
@@ -293,7 +290,7 @@ def test_speculators_reduced_vocab_end_to_end(pair, tmp_path, w1_by_draft_id):
     assert np.mean(accepted) > 1.0
     # Drafts never use the tokens outside the draft vocabulary.
     hidden = drafter(drafter.block_tokens(mx.array([5])), 0, None, drafter.make_cache())
-    from mlx_dspark.sampling import SamplingParams
+    from mlx_dspark.sampling.processing import SamplingParams
 
     proposal = drafter.propose(hidden, mx.array([5]), 4, SamplingParams(), None)
     assert proposal.logits.shape[-1] == model.args.vocab_size
@@ -415,7 +412,7 @@ def test_speculators_export_round_trip(pair, tmp_path, reduced):
 
 
 def test_conversion_carries_the_calibration_and_training_record(pair, tmp_path):
-    from mlx_dspark.calibration import CalibrationResult
+    from mlx_dspark.policy.calibration import CalibrationResult
 
     target_dir, drafter_dir, *_ = pair
     source = tmp_path / "source"
@@ -436,7 +433,7 @@ def test_conversion_carries_the_calibration_and_training_record(pair, tmp_path):
 
 def test_conversion_carries_the_phrase_store(pair, tmp_path):
     from mlx_dspark import load
-    from mlx_dspark.lookup import PhraseStore
+    from mlx_dspark.proposers.lookup import PhraseStore
 
     target_dir, drafter_dir, *_ = pair
     source = tmp_path / "source"

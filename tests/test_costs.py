@@ -8,11 +8,11 @@ from collections import Counter
 import mlx.core as mx
 import pytest
 
-from mlx_dspark.adaptive import AdaptivePolicy
-from mlx_dspark.costs import RoundCosts
-from mlx_dspark.loop import RoundStats
-from mlx_dspark.proposers import Proposal
-from mlx_dspark.scheduler import StepRateCurve
+from mlx_dspark.decoding.loop import RoundStats
+from mlx_dspark.policy.adaptive import AdaptivePolicy
+from mlx_dspark.policy.costs import RoundCosts
+from mlx_dspark.policy.scheduler import StepRateCurve
+from mlx_dspark.proposers.base import Proposal
 
 NO_PROPOSAL = Proposal(mx.zeros((1, 0), mx.int32), mx.zeros((1, 0, 1)))
 DRAFT = 0.002

@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
-from mlx_dspark.data import (
+from mlx_dspark.errors import DSparkError
+from mlx_dspark.loading import load
+from mlx_dspark.pairs.structured import PairSpec, build_structured_pair
+from mlx_dspark.training.data import (
     generate_answers,
     load_sequences,
     regenerate,
     regenerate_shards,
     shard_name,
 )
-from mlx_dspark.errors import DSparkError
-from mlx_dspark.loading import load
-from mlx_dspark.structured import PairSpec, build_structured_pair
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import drafter_prompts  # noqa: E402

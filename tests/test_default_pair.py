@@ -15,8 +15,9 @@ import pytest
 from mlx_lm.generate import generate_step
 
 import mlx_dspark
-from mlx_dspark import default, stream_generate
+from mlx_dspark import stream_generate
 from mlx_dspark.errors import DSparkError
+from mlx_dspark.pairs import default
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import eval_default_pair  # noqa: E402

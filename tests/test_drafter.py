@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
-from mlx_dspark.config import DraftConfig
-from mlx_dspark.copying import CopyBias
-from mlx_dspark.drafter import DSparkDrafter
-from mlx_dspark.sampling import SamplingParams, log_probs, normalised
+from mlx_dspark.proposers.copying import CopyBias
+from mlx_dspark.proposers.dspark import DSparkDrafter
+from mlx_dspark.proposers.dspark_config import DraftConfig
+from mlx_dspark.sampling.processing import SamplingParams, log_probs, normalised
 
 D, V, LAYERS = 32, 40, 2
 
@@ -361,7 +361,7 @@ def test_compiled_and_plain_greedy_chains_give_identical_drafts(head, reduced):
 
 
 def test_loaded_drafters_run_the_compiled_chain(pair_factory):
-    from mlx_dspark.loading import load_drafter
+    from mlx_dspark.checkpoints.loading import load_drafter
 
     model, _, _, _, drafter_dir, _ = pair_factory(block_size=6)
     drafter = load_drafter(drafter_dir, model)
@@ -409,9 +409,9 @@ def test_quantized_checkpoint_is_dequantized_on_cpu_with_the_same_drafts(
 ):
     import mlx.nn as nn
 
-    from mlx_dspark.loading import build_drafter
-    from mlx_dspark.target import TargetAdapter
-    from mlx_dspark.weights import read_config, read_weights
+    from mlx_dspark.checkpoints.loading import build_drafter
+    from mlx_dspark.checkpoints.weights import read_config, read_weights
+    from mlx_dspark.targets.adapter import TargetAdapter
 
     model, _, _, _, drafter_dir, _ = pair_factory(block_size=6)
     config = DraftConfig.from_dict(read_config(drafter_dir))

@@ -26,19 +26,19 @@ from mlx_lm.utils import load_model
 from test_sampling import chi_square, chi_square_critical, exact_joint
 from test_seed import PROMPT, SEEDS, SETTINGS, mlx_lm_tokens
 
-from mlx_dspark.eagle3 import Eagle3Drafter
-from mlx_dspark.eagle3_loading import (
+from mlx_dspark.checkpoints.eagle3 import (
     build_eagle3,
     is_eagle3,
     is_eagle3_path,
     load_eagle3,
     read_eagle3_config,
 )
-from mlx_dspark.eagle3_structured import EAGLE3_SPEC, build_eagle3_pair
+from mlx_dspark.checkpoints.loading import load_drafter
 from mlx_dspark.errors import DSparkError
-from mlx_dspark.loading import load_drafter
-from mlx_dspark.sampling import SamplingParams
-from mlx_dspark.target import TargetAdapter
+from mlx_dspark.pairs.eagle3_structured import EAGLE3_SPEC, build_eagle3_pair
+from mlx_dspark.proposers.eagle3 import Eagle3Drafter
+from mlx_dspark.sampling.processing import SamplingParams
+from mlx_dspark.targets.adapter import TargetAdapter
 
 DATA = Path(__file__).parent / "data" / "eagle3"
 ROUNDS = json.loads((DATA / "qwen3_rounds.json").read_text())
@@ -376,7 +376,7 @@ def test_loads_from_a_hugging_face_repo_id(tmp_path):
     (tmp_path / "models--org--eagle3-tiny" / "refs").mkdir()
     (tmp_path / "models--org--eagle3-tiny" / "refs" / "main").write_text("0" * 40)
     code = (
-        "from mlx_dspark.eagle3_loading import load_eagle3;"
+        "from mlx_dspark.checkpoints.eagle3 import load_eagle3;"
         "print(load_eagle3('org/eagle3-tiny').config.flavour)"
     )
     env = {**os.environ, "HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}

@@ -33,18 +33,23 @@ from test_sampling import (
 from test_seed import SEEDS, SETTINGS, dspark_tokens, mlx_lm_tokens, served, served_as
 
 import mlx_dspark
-from mlx_dspark.calibrate import calibrate_pair
-from mlx_dspark.eagle3 import Eagle3Drafter, Eagle3Proposer
+from mlx_dspark.checkpoints.loading import load_drafter
+from mlx_dspark.decoding.loop import (
+    GenerationStats,
+    ThresholdPolicy,
+    speculative_generate_step,
+)
 from mlx_dspark.errors import DSparkError
 from mlx_dspark.generation import stream_generate
-from mlx_dspark.loading import load_drafter
-from mlx_dspark.lookup import PhraseStore
-from mlx_dspark.loop import GenerationStats, ThresholdPolicy, speculative_generate_step
-from mlx_dspark.policies import MonitoredPolicy
-from mlx_dspark.proposers import Proposal, Round
-from mlx_dspark.sampling import SamplingParams
+from mlx_dspark.policy.calibrate import calibrate_pair
+from mlx_dspark.policy.policies import MonitoredPolicy
+from mlx_dspark.proposers.base import Proposal, Round
+from mlx_dspark.proposers.copying import pair_proposer
+from mlx_dspark.proposers.eagle3 import Eagle3Drafter, Eagle3Proposer
+from mlx_dspark.proposers.lookup import PhraseStore
+from mlx_dspark.sampling.processing import SamplingParams
 from mlx_dspark.serving import BatchEngine, EngineConfig, GenerationRequest
-from mlx_dspark.target import TargetAdapter
+from mlx_dspark.targets.adapter import TargetAdapter
 
 DATA = Path(__file__).parent / "data" / "eagle3"
 ROUNDS = json.loads((DATA / "qwen3_rounds.json").read_text())
@@ -83,7 +88,7 @@ def test_greedy_rounds_through_the_loop_match_deepspec_evaluator(pair, source):
         max_tokens = 1 + sum(lengths) + 7
         policy, stats = Recording(), GenerationStats()
         steps = speculative_generate_step(
-            mx.array(run["prompt"]), target, drafter, num_draft=7,
+            mx.array(run["prompt"]), target, pair_proposer(drafter), num_draft=7,
             max_tokens=max_tokens, policy=policy, stats=stats,
         )  # fmt: skip
         tokens = [t for t, _ in steps]
@@ -226,9 +231,8 @@ def test_mixed_proposers_stay_greedy_identical(pair):
         for as_is in (False, True):
             stats = GenerationStats()
             steps = speculative_generate_step(
-                mx.array(prompt), target, drafter, num_draft=7, max_tokens=40,
-                policy=EveryThirdPlain(), stats=stats, copy_draft=12,
-                copy_as_is=as_is,
+                mx.array(prompt), target, pair_proposer(drafter, 12, as_is),
+                num_draft=7, max_tokens=40, policy=EveryThirdPlain(), stats=stats,
             )  # fmt: skip
             assert [t for t, _ in steps] == expected, (prompt, as_is)
             kinds.update(

@@ -27,12 +27,13 @@ from tiny_families import (
 )
 
 from mlx_dspark import load, stream_generate
-from mlx_dspark.config import DraftConfig
-from mlx_dspark.drafter import DSparkDrafter
-from mlx_dspark.loop import GenerationStats, speculative_generate_step
-from mlx_dspark.sampling import SamplingParams
-from mlx_dspark.target import RecurrentCache, TargetAdapter, WindowKVCache
-from mlx_dspark.train import TrainArgs, train
+from mlx_dspark.decoding.loop import GenerationStats, speculative_generate_step
+from mlx_dspark.proposers.copying import pair_proposer
+from mlx_dspark.proposers.dspark import DSparkDrafter
+from mlx_dspark.proposers.dspark_config import DraftConfig
+from mlx_dspark.sampling.processing import SamplingParams
+from mlx_dspark.targets.adapter import RecurrentCache, TargetAdapter, WindowKVCache
+from mlx_dspark.training.run import TrainArgs, train
 
 FAMILIES = sorted(CONFIGS)
 BITS = [None, 4]
@@ -194,7 +195,7 @@ def test_greedy_identical_to_mlx_lm(family, model_type, bits):
             tokens = speculative_generate_step(
                 mx.array(PROMPT),
                 adapter,
-                drafter,
+                pair_proposer(drafter),
                 num_draft=num_draft,
                 max_tokens=MAX_TOKENS,
                 mode=mode,
@@ -252,7 +253,7 @@ def test_a_drafter_trains_and_decodes_losslessly(family, model_type, bits, tmp_p
     tokens = speculative_generate_step(
         mx.array(PROMPT),
         TargetAdapter(target, drafter.config.target_layer_ids),
-        drafter,
+        pair_proposer(drafter),
         num_draft=3,
         max_tokens=16,
     )
@@ -339,7 +340,7 @@ def test_the_server_batches_requests_of_every_cache_kind(family, model_type, bit
 
 @pytest.mark.parametrize("model_type", ["gpt_oss", "qwen3_5"])
 def test_calibration_records_rounds_on_quantized_targets(family, model_type):
-    from mlx_dspark.calibrate import collect_records, fit_records
+    from mlx_dspark.policy.calibrate import collect_records, fit_records
 
     model, _, _ = family(model_type, 4)
     drafter = bigram_drafter(TargetAdapter(model, TAPS))
@@ -376,7 +377,7 @@ def test_every_quantization_mlx_lm_convert_writes(family, recipe, tmp_path):
     tokens = speculative_generate_step(
         mx.array(PROMPT),
         adapter,
-        bigram_drafter(adapter),
+        pair_proposer(bigram_drafter(adapter)),
         num_draft=3,
         max_tokens=24,
         mode=OracleMode(expected),

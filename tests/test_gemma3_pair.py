@@ -16,11 +16,12 @@ from mlx_lm.generate import generate_step
 from test_gguf import build
 
 import mlx_dspark
-from mlx_dspark import default, gemma3, stream_generate
+from mlx_dspark import stream_generate
 from mlx_dspark.cli import generate as cli_generate
 from mlx_dspark.errors import DSparkError
-from mlx_dspark.train import TrainArgs, train
+from mlx_dspark.pairs import default, gemma3
 from mlx_dspark.training.model import norm_scale
+from mlx_dspark.training.run import TrainArgs, train
 from mlx_dspark.utils import cache_dir
 
 MAX_BYTES = 15 * 2**20

@@ -15,15 +15,16 @@ from mlx_lm.models import gemma4, gemma4_text
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from test_sampling import chi_square, chi_square_critical
 
-from mlx_dspark.config import DraftConfig
-from mlx_dspark.drafter import DSparkDrafter
+from mlx_dspark.decoding.loop import GenerationStats, speculative_generate_step
+from mlx_dspark.decoding.modes import ChainMode
 from mlx_dspark.errors import DSparkError
-from mlx_dspark.loop import GenerationStats, speculative_generate_step
-from mlx_dspark.modes import ChainMode
-from mlx_dspark.policies import verify_batch
-from mlx_dspark.proposers import Proposal
-from mlx_dspark.sampling import SamplingParams, log_probs
-from mlx_dspark.target import TargetAdapter, WindowKVCache
+from mlx_dspark.policy.policies import verify_batch
+from mlx_dspark.proposers.base import Proposal
+from mlx_dspark.proposers.copying import pair_proposer
+from mlx_dspark.proposers.dspark import DSparkDrafter
+from mlx_dspark.proposers.dspark_config import DraftConfig
+from mlx_dspark.sampling.processing import SamplingParams, log_probs
+from mlx_dspark.targets.adapter import TargetAdapter, WindowKVCache
 
 VOCAB = 16
 WINDOW = 6
@@ -278,7 +279,7 @@ def test_greedy_identical_to_mlx_lm(model, head):
                 tokens = speculative_generate_step(
                     mx.array(prompt),
                     adapter,
-                    drafter,
+                    pair_proposer(drafter),
                     num_draft=num_draft,
                     max_tokens=MAX_TOKENS,
                     mode=mode,
@@ -310,7 +311,7 @@ def test_greedy_identical_on_every_model_variant(name):
         tokens = speculative_generate_step(
             mx.array(prompt),
             adapter,
-            drafter,
+            pair_proposer(drafter),
             num_draft=2,
             max_tokens=MAX_TOKENS,
             mode=mode,
@@ -415,7 +416,7 @@ def sample_three(adapter, drafter, prompt, params, seeds: int):
         tokens = speculative_generate_step(
             mx.array(prompt),
             adapter,
-            drafter,
+            pair_proposer(drafter),
             num_draft=drafter.block_size,
             params=params,
             max_tokens=3,
@@ -461,8 +462,8 @@ def test_stream_generate_with_the_scheduler_and_tree_refusal(
     model, tmp_path, monkeypatch
 ):
     from mlx_dspark import stream_generate
-    from mlx_dspark.profile import get_profile
-    from mlx_dspark.structured import PairSpec, _tokenizer_files
+    from mlx_dspark.pairs.structured import PairSpec, _tokenizer_files
+    from mlx_dspark.policy.profile import get_profile
 
     monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path / "cache"))
     for name, text in _tokenizer_files(PairSpec(vocab_size=VOCAB)).items():
@@ -499,7 +500,7 @@ def test_long_prompt_prefilled_in_chunks(model):
     tokens = speculative_generate_step(
         mx.array(prompt),
         adapter,
-        drafter,
+        pair_proposer(drafter),
         num_draft=3,
         max_tokens=24,
         mode=OracleMode(expected),

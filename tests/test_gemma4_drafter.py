@@ -24,14 +24,15 @@ from test_gemma4 import (
 from test_sampling import chi_square, chi_square_critical
 
 from mlx_dspark import load, stream_generate
-from mlx_dspark.config import DraftConfig
-from mlx_dspark.drafter import DSparkDrafter
+from mlx_dspark.checkpoints.loading import load_drafter
+from mlx_dspark.decoding.loop import GenerationStats, speculative_generate_step
 from mlx_dspark.errors import DSparkError
-from mlx_dspark.loading import load_drafter
-from mlx_dspark.loop import GenerationStats, speculative_generate_step
-from mlx_dspark.sampling import SamplingParams
-from mlx_dspark.structured import PairSpec, _tokenizer_files
-from mlx_dspark.target import TargetAdapter
+from mlx_dspark.pairs.structured import PairSpec, _tokenizer_files
+from mlx_dspark.proposers.copying import pair_proposer
+from mlx_dspark.proposers.dspark import DSparkDrafter
+from mlx_dspark.proposers.dspark_config import DraftConfig
+from mlx_dspark.sampling.processing import SamplingParams
+from mlx_dspark.targets.adapter import TargetAdapter
 
 D, HEADS_Q, HEAD_DIM, LAYERS, CAP = 32, 4, 16, 2, 5.0
 ROTATED = 0.25  # partial rotary factor of Gemma-4's full attention
@@ -256,7 +257,7 @@ def test_checkpoint_loads_and_runs_on_a_gemma4_target(tmp_path, head):
             for t, _ in speculative_generate_step(
                 mx.array(prompt),
                 target,
-                drafter,
+                pair_proposer(drafter),
                 params=params,
                 num_draft=num_draft,
                 max_tokens=24,
@@ -375,7 +376,7 @@ def test_sampling_is_exact_with_a_gemma4_drafter():
         tokens = speculative_generate_step(
             mx.array(SAMPLING_PROMPT),
             target,
-            drafter,
+            pair_proposer(drafter),
             num_draft=drafter.block_size,
             params=params,
             max_tokens=3,

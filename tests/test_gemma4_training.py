@@ -18,19 +18,15 @@ from test_gemma4 import VOCAB, WINDOW, plain_greedy, text_config, tiny_gemma4
 from test_train import _reference_hidden as reference_hidden
 
 from mlx_dspark import load, stream_generate
-from mlx_dspark.loading import load_drafter
-from mlx_dspark.loop import GenerationStats, speculative_generate_step
-from mlx_dspark.sampling import SamplingParams
-from mlx_dspark.structured import PairSpec, _tokenizer_files
-from mlx_dspark.target import TargetAdapter
-from mlx_dspark.train import (
-    TrainArgs,
-    drafter_config,
-    new_drafter,
-    train,
-    training_hidden,
-)
+from mlx_dspark.checkpoints.loading import load_drafter
+from mlx_dspark.decoding.loop import GenerationStats, speculative_generate_step
+from mlx_dspark.pairs.structured import PairSpec, _tokenizer_files
+from mlx_dspark.proposers.copying import pair_proposer
+from mlx_dspark.sampling.processing import SamplingParams
+from mlx_dspark.targets.adapter import TargetAdapter
 from mlx_dspark.training.loss import draft_logits
+from mlx_dspark.training.model import drafter_config, new_drafter, training_hidden
+from mlx_dspark.training.run import TrainArgs, train
 
 TAPS = [0, 3]
 PROMPTS = [[1, 2, 3], [5, 7, 1, 2, 9, 3, 4, 0, 2, 11, 6]]
@@ -320,7 +316,7 @@ def mean_accepted_length(model, drafter) -> float:
     for prompt in [*PROMPTS, [4, 4, 8], [0, 13, 2]]:
         stats = GenerationStats()
         for _ in speculative_generate_step(
-            mx.array(prompt), target, drafter, num_draft=drafter.block_size,
+            mx.array(prompt), target, pair_proposer(drafter), num_draft=drafter.block_size,
             max_tokens=40, stats=stats,
         ):  # fmt: skip
             pass

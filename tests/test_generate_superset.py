@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import mlx_dspark  # noqa: F401  (loads OpenBLAS before mlx)
-from mlx_dspark.structured import PairSpec, build_structured_pair
+from mlx_dspark.pairs.structured import PairSpec, build_structured_pair
 
 
 def _run(module_args, args, stdin=None):
@@ -330,7 +330,7 @@ def test_min_tokens_to_keep_matches_mlx_lm_min_p():
     import mlx.core as mx
     from mlx_lm.sample_utils import apply_min_p
 
-    from mlx_dspark.sampling import SamplingParams, log_probs
+    from mlx_dspark.sampling.processing import SamplingParams, log_probs
 
     mx.random.seed(1)
     logits = 3 * mx.random.normal((4, 50))
@@ -347,7 +347,7 @@ def test_xtc_matches_mlx_lm_apply_xtc():
     import mlx.core as mx
     from mlx_lm.sample_utils import apply_xtc
 
-    from mlx_dspark.sampling import SamplingParams, log_probs
+    from mlx_dspark.sampling.processing import SamplingParams, log_probs
 
     mx.random.seed(2)
     logits = 2 * mx.random.normal((6, 40))
@@ -378,7 +378,7 @@ def test_xtc_sampling_with_a_drafter_is_exact(pair_factory):
         sample_first_three,
     )
 
-    from mlx_dspark.sampling import SamplingParams
+    from mlx_dspark.sampling.processing import SamplingParams
 
     model, _, drafter, *_ = pair_factory(
         markov_head_type="vanilla", sharpness=0.6, block_size=4

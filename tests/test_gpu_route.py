@@ -17,10 +17,10 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
-from mlx_dspark.config import DraftConfig
-from mlx_dspark.data import Sequence
-from mlx_dspark.target import TargetAdapter
+from mlx_dspark.proposers.dspark_config import DraftConfig
+from mlx_dspark.targets.adapter import TargetAdapter
 from mlx_dspark.training.batches import make_batch
+from mlx_dspark.training.data import Sequence
 from mlx_dspark.training.loss import loss_terms
 from mlx_dspark.training.model import new_drafter
 from mlx_dspark.training.teacher import OnlineTeacher

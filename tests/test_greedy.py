@@ -9,6 +9,7 @@ from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 from mlx_lm.utils import load_tokenizer
 
 from mlx_dspark import stream_generate
+from mlx_dspark.proposers.copying import pair_proposer
 
 PROMPTS = [[1, 2, 3], [7, 8], [20, 4, 11, 9], [0], [13, 5, 5, 21, 2, 17]]
 MAX_TOKENS = 64
@@ -126,16 +127,16 @@ class SkipEveryOtherRound:
 
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_rounds_without_drafting_keep_the_draft_context(pair_factory, mode):
-    from mlx_dspark.loop import GenerationStats, speculative_generate_step
-    from mlx_dspark.modes import TreeMode
-    from mlx_dspark.target import TargetAdapter
+    from mlx_dspark.decoding.loop import GenerationStats, speculative_generate_step
+    from mlx_dspark.decoding.modes import TreeMode
+    from mlx_dspark.targets.adapter import TargetAdapter
 
     model, _, drafter, *_ = pair_factory(block_size=8)
     stats = GenerationStats()
     tokens = speculative_generate_step(
         mx.array(PROMPTS[0]),
         TargetAdapter(model, drafter.config.target_layer_ids),
-        drafter,
+        pair_proposer(drafter),
         num_draft=drafter.block_size,
         max_tokens=MAX_TOKENS,
         policy=SkipEveryOtherRound(),

@@ -12,10 +12,10 @@ from mlx_lm.models import llama, qwen2
 from mlx_lm.models.cache import KVCache
 
 from mlx_dspark import load, stream_generate
+from mlx_dspark.checkpoints.loading import load_drafter
 from mlx_dspark.errors import DSparkError
-from mlx_dspark.loading import load_drafter
-from mlx_dspark.structured import PairSpec, build_structured_pair
-from mlx_dspark.target import TargetAdapter, WindowKVCache
+from mlx_dspark.pairs.structured import PairSpec, build_structured_pair
+from mlx_dspark.targets.adapter import TargetAdapter, WindowKVCache
 
 
 def greedy(model, prompt, n=24):

@@ -20,18 +20,24 @@ from test_sampling import (
 )
 from test_sampling import sample_first_three as sample_with
 
-from mlx_dspark import copying
-from mlx_dspark.copying import CopyBias, copied_proposal, follow_copy, pair_proposer
-from mlx_dspark.drafter import DrafterProposer
-from mlx_dspark.loading import load, load_drafter
-from mlx_dspark.lookup import continuation
-from mlx_dspark.loop import GenerationStats, speculative_generate_step
-from mlx_dspark.modes import ChainMode
-from mlx_dspark.policies import MonitoredPolicy
-from mlx_dspark.proposers import Proposal
-from mlx_dspark.sampling import SamplingParams
-from mlx_dspark.structured import PairSpec, build_structured_pair
-from mlx_dspark.target import TargetAdapter
+from mlx_dspark.checkpoints.loading import load_drafter
+from mlx_dspark.decoding.loop import GenerationStats, speculative_generate_step
+from mlx_dspark.decoding.modes import ChainMode
+from mlx_dspark.loading import load
+from mlx_dspark.pairs.structured import PairSpec, build_structured_pair
+from mlx_dspark.policy.policies import MonitoredPolicy
+from mlx_dspark.proposers import copying
+from mlx_dspark.proposers.base import Proposal
+from mlx_dspark.proposers.copying import (
+    CopyBias,
+    copied_proposal,
+    follow_copy,
+    pair_proposer,
+)
+from mlx_dspark.proposers.dspark import DrafterProposer
+from mlx_dspark.proposers.lookup import continuation
+from mlx_dspark.sampling.processing import SamplingParams
+from mlx_dspark.targets.adapter import TargetAdapter
 
 
 def sample_first_three(*args, **kwargs):

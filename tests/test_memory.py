@@ -1,7 +1,7 @@
 import mlx.core as mx
 import pytest
 
-from mlx_dspark.memory import (
+from mlx_dspark.policy.memory import (
     MemoryGuard,
     PressureLevel,
     active_memory_bytes,
@@ -12,8 +12,8 @@ from mlx_dspark.memory import (
     mlx_memory_source,
     safe_source,
 )
-from mlx_dspark.scheduler import SchedulerSettings
-from mlx_dspark.telemetry import RoundRecord, Telemetry, render_prometheus
+from mlx_dspark.policy.scheduler import SchedulerSettings
+from mlx_dspark.policy.telemetry import RoundRecord, Telemetry, render_prometheus
 
 N, W, C = PressureLevel.NORMAL, PressureLevel.WARNING, PressureLevel.CRITICAL
 

@@ -18,12 +18,12 @@ from test_sampling import (
     sample_first_three,
 )
 
-from mlx_dspark.adaptive import AdaptivePolicy
+from mlx_dspark.checkpoints.loading import load_drafter
+from mlx_dspark.decoding.loop import RoundStats
 from mlx_dspark.errors import DSparkError
-from mlx_dspark.loading import load_drafter
-from mlx_dspark.lookup import PHRASES_FILE, PhraseStore, copy_for
-from mlx_dspark.loop import RoundStats
-from mlx_dspark.sampling import SamplingParams
+from mlx_dspark.policy.adaptive import AdaptivePolicy
+from mlx_dspark.proposers.lookup import PHRASES_FILE, PhraseStore, copy_for
+from mlx_dspark.sampling.processing import SamplingParams
 
 
 def sample(*args, **kwargs):

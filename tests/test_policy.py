@@ -18,17 +18,24 @@ from test_sampling import (
 )
 from test_schedint import fitted
 
-from mlx_dspark import copying, loop, stream_generate
-from mlx_dspark.adaptive import AdaptivePolicy
+from mlx_dspark import stream_generate
 from mlx_dspark.benchmark import randomize_weights
+from mlx_dspark.decoding import loop
+from mlx_dspark.decoding.loop import (
+    GenerationStats,
+    RoundStats,
+    speculative_generate_step,
+)
 from mlx_dspark.loading import load
-from mlx_dspark.lookup import continuation
-from mlx_dspark.loop import GenerationStats, RoundStats, speculative_generate_step
-from mlx_dspark.proposers import Proposal
-from mlx_dspark.sampling import SamplingParams
-from mlx_dspark.scheduler import StepRateCurve
-from mlx_dspark.settings import COPY_DRAFTS
-from mlx_dspark.target import TargetAdapter
+from mlx_dspark.policy.adaptive import AdaptivePolicy
+from mlx_dspark.policy.scheduler import StepRateCurve
+from mlx_dspark.policy.settings import COPY_DRAFTS
+from mlx_dspark.proposers import copying
+from mlx_dspark.proposers.base import Proposal
+from mlx_dspark.proposers.copying import pair_proposer
+from mlx_dspark.proposers.lookup import continuation
+from mlx_dspark.sampling.processing import SamplingParams
+from mlx_dspark.targets.adapter import TargetAdapter
 
 NO_PROPOSAL = Proposal(mx.zeros((1, 0), mx.int32), mx.zeros((1, 0, 1)))
 PLAIN_SECONDS = 0.010
@@ -224,8 +231,8 @@ def test_scheduler_corrects_an_overconfident_calibration():
     """Algorithm 1 reads the calibrated survival scaled by what was accepted:
     a head that promises every draft while only the first is kept ends up
     verifying one draft, and one that is right keeps full blocks."""
-    from mlx_dspark.policies import SchedulerPolicy
-    from mlx_dspark.scheduler import SchedulerSettings
+    from mlx_dspark.policy.policies import SchedulerPolicy
+    from mlx_dspark.policy.scheduler import SchedulerSettings
 
     confident = Proposal(mx.zeros((1, 4), mx.int32), None, mx.array([[4.0] * 4]))
     settings = SchedulerSettings(warmup_steps=0, n_draft_min=0)
@@ -264,7 +271,7 @@ def test_a_later_generation_remembers_what_was_measured():
 def test_a_calibration_that_measured_poor_acceptance_means_plain_from_the_start(
     tmp_path,
 ):
-    from mlx_dspark.calibration import CalibrationResult
+    from mlx_dspark.policy.calibration import CalibrationResult
 
     def calibration(survived):
         # reliability bins per position: [mean prediction, mean outcome, count]
@@ -333,7 +340,7 @@ def cache_profile(model, drafter, draft_share: float) -> None:
     ``draft_share`` of a target step: on these toy models drafting (Python
     calls on tiny arrays) costs more than the target's step, which no real
     pair does."""
-    from mlx_dspark.profile import profile_key, profile_path
+    from mlx_dspark.policy.profile import profile_key, profile_path
 
     key = profile_key(model, drafter)
     curve = StepRateCurve.linear(1e-3, 1e-4, drafter.block_size + 1)
@@ -407,7 +414,7 @@ def test_greedy_identical_with_plain_rounds_mixed_in(pair_factory, pattern, bias
             tokens = speculative_generate_step(
                 mx.array(prompt),
                 target,
-                drafter,
+                pair_proposer(drafter),
                 num_draft=drafter.block_size,
                 max_tokens=64,
                 policy=Alternate(pattern),
@@ -464,7 +471,7 @@ def test_sampling_exact_with_plain_rounds_mixed_in(pair_factory, pattern):
 def test_a_biased_plain_round_is_caught(pair_factory, monkeypatch):
     """The exactness test can fail: plain rounds that sample at temperature 1
     instead of the requested processing are detected."""
-    import mlx_dspark.loop as loop
+    import mlx_dspark.decoding.loop as loop
 
     model, _, drafter, *_ = pair_factory(
         markov_head_type="vanilla", sharpness=0.6, block_size=4
@@ -483,7 +490,7 @@ def test_a_biased_plain_round_is_caught(pair_factory, monkeypatch):
         tokens = speculative_generate_step(
             mx.array(PROMPT),
             target,
-            drafter,
+            pair_proposer(drafter),
             num_draft=drafter.block_size,
             params=params,
             max_tokens=3,
@@ -499,7 +506,7 @@ def test_a_biased_plain_round_is_caught(pair_factory, monkeypatch):
 
 def test_the_summary_names_the_cost_profile(useless_pair, tmp_path, monkeypatch):
     from mlx_dspark.generation import format_stats
-    from mlx_dspark.profile import profile_key, profile_path
+    from mlx_dspark.policy.profile import profile_key, profile_path
 
     model, tokenizer, drafter = useless_pair
     monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path))
@@ -555,7 +562,7 @@ def test_greedy_identical_with_plain_steps_queued_ahead(pair_factory, bias):
             tokens = speculative_generate_step(
                 mx.array(prompt),
                 target,
-                drafter,
+                pair_proposer(drafter),
                 num_draft=drafter.block_size,
                 max_tokens=64,
                 policy=Scripted(PLAIN_RUNS),
@@ -603,7 +610,7 @@ def test_with_copying_a_plain_step_is_queued_before_the_lookup(
                 speculative_generate_step(
                     mx.array([1, 2, 3]),
                     target,
-                    drafter,
+                    pair_proposer(drafter),
                     num_draft=8,
                     max_tokens=6,
                     policy=policy,

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from mlx_dspark import profile as profile_module
-from mlx_dspark.profile import (
+from mlx_dspark.policy import profile as profile_module
+from mlx_dspark.policy.profile import (
     contradiction,
     fastest_of,
     get_profile,
@@ -15,7 +15,7 @@ from mlx_dspark.profile import (
     profile_path,
     trusted,
 )
-from mlx_dspark.scheduler import StepRateCurve
+from mlx_dspark.policy.scheduler import StepRateCurve
 
 # Target steps/s for 1..9 query tokens in a profile measured while another
 # process ran (issue 71): non-monotone.

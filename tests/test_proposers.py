@@ -20,17 +20,17 @@ from test_sampling import (
 )
 from test_seed import MAX_TOKENS, PROMPT, mlx_lm_tokens, served, served_as
 
-from mlx_dspark.copying import pair_proposer
-from mlx_dspark.coupled import mlx_lm_draw
+from mlx_dspark.decoding.loop import GenerationStats, speculative_generate_step
+from mlx_dspark.decoding.modes import TreeMode
 from mlx_dspark.errors import DSparkError
-from mlx_dspark.lookup import PhraseStore
-from mlx_dspark.loop import GenerationStats, speculative_generate_step
-from mlx_dspark.modes import TreeMode
-from mlx_dspark.policies import MonitoredPolicy
-from mlx_dspark.proposers import Backlog, Offer, Proposal, Round
-from mlx_dspark.sampling import SamplingParams, processed_logits
+from mlx_dspark.policy.policies import MonitoredPolicy
+from mlx_dspark.proposers.base import Backlog, Offer, Proposal, Round
+from mlx_dspark.proposers.copying import pair_proposer
+from mlx_dspark.proposers.lookup import PhraseStore
+from mlx_dspark.sampling.coupled import mlx_lm_draw
+from mlx_dspark.sampling.processing import SamplingParams, processed_logits
 from mlx_dspark.serving import BatchEngine, EngineConfig, GenerationRequest
-from mlx_dspark.target import TargetAdapter
+from mlx_dspark.targets.adapter import TargetAdapter
 
 
 @dataclass

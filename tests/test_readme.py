@@ -21,7 +21,7 @@ from test_gguf import build
 import mlx_dspark
 from mlx_dspark import blas
 from mlx_dspark.cli.main import COMMANDS
-from mlx_dspark.structured import build_structured_pair
+from mlx_dspark.pairs.structured import build_structured_pair
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

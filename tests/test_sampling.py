@@ -8,11 +8,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_dspark.loop import GenerationStats, speculative_generate_step
-from mlx_dspark.modes import ChainMode
-from mlx_dspark.sampling import SamplingParams, log_probs
-from mlx_dspark.target import TargetAdapter
-from mlx_dspark.verify import Verdict
+from mlx_dspark.decoding.loop import GenerationStats, speculative_generate_step
+from mlx_dspark.decoding.modes import ChainMode
+from mlx_dspark.decoding.verify import Verdict
+from mlx_dspark.proposers.copying import pair_proposer
+from mlx_dspark.sampling.processing import SamplingParams, log_probs
+from mlx_dspark.targets.adapter import TargetAdapter
 
 PROMPT = [3, 14, 15]
 SEEDS = 2000
@@ -85,7 +86,7 @@ def sample_first_three(
         tokens = speculative_generate_step(
             mx.array(prompt),
             target,
-            proposer or drafter,
+            proposer or pair_proposer(drafter),
             params=params,
             seed=seed,
             mode=mode,

@@ -16,7 +16,11 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from mlx_dspark import stream_generate
-from mlx_dspark.calibrate import (
+from mlx_dspark.checkpoints.loading import load_drafter
+from mlx_dspark.decoding.loop import ThresholdPolicy, speculative_generate_step
+from mlx_dspark.decoding.modes import ChainMode
+from mlx_dspark.loading import load
+from mlx_dspark.policy.calibrate import (
     CALIBRATION_FILE,
     cached_calibration_path,
     collect_records,
@@ -24,7 +28,7 @@ from mlx_dspark.calibrate import (
     find_calibration,
     fit_records,
 )
-from mlx_dspark.calibration import (
+from mlx_dspark.policy.calibration import (
     CalibrationResult,
     apply_sts,
     expected_calibration_error,
@@ -33,18 +37,21 @@ from mlx_dspark.calibration import (
     records_per_position,
     records_to_arrays,
 )
-from mlx_dspark.loading import load, load_drafter
-from mlx_dspark.loop import ThresholdPolicy, speculative_generate_step
-from mlx_dspark.memory import MemoryGuard, PressureLevel
-from mlx_dspark.modes import ChainMode
-from mlx_dspark.policies import SchedulerPolicy, resolve_policy, verify_batch
-from mlx_dspark.profile import get_profile, load_profile, profile_key, profile_path
-from mlx_dspark.proposers import Proposal
-from mlx_dspark.sampling import SamplingParams, log_probs
-from mlx_dspark.scheduler import SchedulerSettings, StepRateCurve, schedule
-from mlx_dspark.settings import build_settings
-from mlx_dspark.target import TargetAdapter
-from mlx_dspark.telemetry import render_prometheus
+from mlx_dspark.policy.memory import MemoryGuard, PressureLevel
+from mlx_dspark.policy.policies import SchedulerPolicy, resolve_policy, verify_batch
+from mlx_dspark.policy.profile import (
+    get_profile,
+    load_profile,
+    profile_key,
+    profile_path,
+)
+from mlx_dspark.policy.scheduler import SchedulerSettings, StepRateCurve, schedule
+from mlx_dspark.policy.settings import build_settings
+from mlx_dspark.policy.telemetry import render_prometheus
+from mlx_dspark.proposers.base import Proposal
+from mlx_dspark.proposers.copying import pair_proposer
+from mlx_dspark.sampling.processing import SamplingParams, log_probs
+from mlx_dspark.targets.adapter import TargetAdapter
 
 PROMPTS = [[1, 2, 3], [20, 4, 11, 9], [13, 5, 5, 21, 2, 17]]
 NO_WARMUP = SchedulerSettings(warmup_steps=0, n_draft_min=0)
@@ -82,7 +89,7 @@ def run(target, drafter, prompt, policy, max_tokens, params=SamplingParams(), se
         for t, _ in speculative_generate_step(
             mx.array(prompt),
             target,
-            drafter,
+            pair_proposer(drafter),
             num_draft=drafter.block_size,
             params=params,
             max_tokens=max_tokens,
@@ -179,7 +186,7 @@ def first_tokens(target, drafter, prompt, make_policy, params, seeds, depth=3):
         for token, _ in speculative_generate_step(
             mx.array(prompt),
             target,
-            drafter,
+            pair_proposer(drafter),
             num_draft=drafter.block_size,
             params=params,
             max_tokens=depth + 2,
@@ -358,7 +365,7 @@ def test_request_batch_equals_single_caches(pair_factory):
     """Rows of a RequestBatch that join, verify chains of different lengths,
     keep different numbers of tokens and leave give every request the logits
     and features its own cache gives it."""
-    from mlx_dspark.target import RequestBatch
+    from mlx_dspark.targets.adapter import RequestBatch
 
     model, _, drafter, *_ = pair_factory(block_size=8)
     target = TargetAdapter(model, drafter.config.target_layer_ids)

@@ -3,13 +3,13 @@ import itertools
 import numpy as np
 import pytest
 
+from mlx_dspark.decoding.loop import threshold_cut
 from mlx_dspark.errors import DSparkError
-from mlx_dspark.scheduler import (
+from mlx_dspark.policy.scheduler import (
     SchedulerSettings,
     StepRateCurve,
     expected_throughput,
     schedule,
-    threshold_cut,
 )
 
 

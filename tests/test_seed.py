@@ -2,7 +2,7 @@
 
 mlx-lm draws token i with the i-th key split from the global state after
 ``mx.random.seed(S)``; coupled sampling computes those keys and commits the
-target's own draw at every row (:mod:`mlx_dspark.coupled`). These tests
+target's own draw at every row (:mod:`mlx_dspark.sampling.coupled`). These tests
 compare with ``mlx_lm.stream_generate`` itself, on a structured pair whose
 drafts are often but not always accepted.
 """
@@ -13,10 +13,10 @@ import pytest
 from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 from mlx_lm.sample_utils import make_sampler
 
-from mlx_dspark.coupled import TokenKeys, mlx_lm_token, resolve_sampling
 from mlx_dspark.errors import DSparkError
 from mlx_dspark.generation import generate, stream_generate
-from mlx_dspark.sampling import SamplingParams
+from mlx_dspark.sampling.coupled import TokenKeys, mlx_lm_token, resolve_sampling
+from mlx_dspark.sampling.processing import SamplingParams
 from mlx_dspark.serving import BatchEngine, EngineConfig, GenerationRequest
 
 SETTINGS = {
@@ -220,8 +220,8 @@ def test_own_keys_and_loading_leave_the_global_keys_as_mlx_lm_does(pair):
     samples from mlx-lm's key state."""
     from mlx_lm.utils import load as mlx_lm_load
 
-    from mlx_dspark.coupled import own_keys
     from mlx_dspark.loading import load
+    from mlx_dspark.sampling.coupled import own_keys
 
     *_, target_dir, drafter_dir, _ = pair
     mx.random.seed(4)

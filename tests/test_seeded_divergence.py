@@ -12,7 +12,7 @@ from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 from mlx_lm.sample_utils import make_sampler
 
 from mlx_dspark import load
-from mlx_dspark.structured import build_structured_pair
+from mlx_dspark.pairs.structured import build_structured_pair
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "seeded_divergence.py"
 

@@ -16,7 +16,7 @@ from conftest import HEADS, head_id
 from test_schedint import chi2, chi2_critical, exact_joint
 
 from mlx_dspark.generation import stream_generate
-from mlx_dspark.sampling import SamplingParams
+from mlx_dspark.sampling.processing import SamplingParams
 from mlx_dspark.serving import (
     BatchEngine,
     EngineConfig,
@@ -435,8 +435,8 @@ def test_plain_batches_memory_guard_chunked_prefill(pair, expected, mode):
     critical memory pressure the guard lowers every cap to n_min instead of
     failing requests; prompts prefilled a chunk at a time between decode
     steps. All stay identical to ``generate``."""
-    from mlx_dspark.memory import PressureLevel
-    from mlx_dspark.scheduler import SchedulerSettings
+    from mlx_dspark.policy.memory import PressureLevel
+    from mlx_dspark.policy.scheduler import SchedulerSettings
 
     model, tokenizer, drafter, *_ = pair
     config = EngineConfig(adaptive=mode == "chunked-prefill")
@@ -616,7 +616,7 @@ def test_prefill_groups():
 def test_step_cost_curve():
     """The scheduler's cost curve: a prior profile scaled to the measured step
     times, measured sizes taking over, and flat beyond the measurements."""
-    from mlx_dspark.scheduler import StepRateCurve
+    from mlx_dspark.policy.scheduler import StepRateCurve
     from mlx_dspark.serving.engine import StepCost
 
     assert StepCost().curve().step_seconds(4) > StepCost().curve().step_seconds(1)
@@ -641,7 +641,7 @@ def test_batched_drafting_every_head(pair_factory, head):
     keeps every head's output identical to ``generate``."""
     import mlx.core as mx
 
-    from mlx_dspark.target import TargetAdapter
+    from mlx_dspark.targets.adapter import TargetAdapter
 
     model, tokenizer, drafter, *_ = pair_factory(markov_head_type=head, block_size=8)
     target = TargetAdapter(model, drafter.config.target_layer_ids)
@@ -755,7 +755,7 @@ def test_batched_context_copying_stays_lossless(pair_factory):
     accepted drafts on a target that repeats itself."""
     from test_lookup import REPEATING_PROMPTS, with_copy_bias
 
-    from mlx_dspark.sampling import SamplingParams
+    from mlx_dspark.sampling.processing import SamplingParams
 
     model, tokenizer, drafter, *_ = pair_factory(block_size=8)
     want = [

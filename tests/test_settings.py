@@ -8,11 +8,11 @@ import pytest
 
 from mlx_dspark import stream_generate
 from mlx_dspark.benchmark import Pair, Settings, select_variants
-from mlx_dspark.calibrate import calibration_settings
+from mlx_dspark.decoding.modes import ChainMode, TreeMode
 from mlx_dspark.errors import DSparkError
-from mlx_dspark.modes import ChainMode, TreeMode
-from mlx_dspark.scheduler import SchedulerSettings
-from mlx_dspark.settings import COPY_DRAFTS, build_settings
+from mlx_dspark.policy.calibrate import calibration_settings
+from mlx_dspark.policy.scheduler import SchedulerSettings
+from mlx_dspark.policy.settings import COPY_DRAFTS, build_settings
 
 THRESHOLD_VAR = "DSPARK_CONFIDENCE_THRESHOLD"
 

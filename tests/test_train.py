@@ -20,19 +20,10 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
 from mlx_dspark import load, stream_generate
-from mlx_dspark.config import DraftConfig
-from mlx_dspark.data import load_sequences, regenerate
 from mlx_dspark.errors import DSparkError
-from mlx_dspark.structured import PairSpec, build_structured_pair
-from mlx_dspark.target import TargetAdapter
-from mlx_dspark.train import (
-    TrainArgs,
-    default_layer_ids,
-    drafter_config,
-    new_drafter,
-    train,
-    training_hidden,
-)
+from mlx_dspark.pairs.structured import PairSpec, build_structured_pair
+from mlx_dspark.proposers.dspark_config import DraftConfig
+from mlx_dspark.targets.adapter import TargetAdapter
 from mlx_dspark.training import teacher as teacher_module
 from mlx_dspark.training.batches import (
     DraftVocabulary,
@@ -41,8 +32,17 @@ from mlx_dspark.training.batches import (
     shard,
     training_labels,
 )
+from mlx_dspark.training.data import load_sequences, regenerate
 from mlx_dspark.training.loss import draft_logits, loss_terms
-from mlx_dspark.training.model import copy_trained_weights, trained_drafter
+from mlx_dspark.training.model import (
+    copy_trained_weights,
+    default_layer_ids,
+    drafter_config,
+    new_drafter,
+    trained_drafter,
+    training_hidden,
+)
+from mlx_dspark.training.run import TrainArgs, train
 from mlx_dspark.training.teacher import OnlineTeacher, TeacherStore
 from mlx_dspark.training.trainer import make_step, make_validation, schedule
 
@@ -884,7 +884,7 @@ def test_binary_data_is_refused_before_anything_is_written(setup, tmp_path):
 
 
 def test_validation_sequences_are_held_out_and_measured(setup, monkeypatch):
-    import mlx_dspark.train as train_module
+    import mlx_dspark.training.run as train_module
 
     seen = []
     make = train_module._make_batch
@@ -931,7 +931,7 @@ def test_validation_data_files_are_measured_through_their_own_store(setup, tmp_p
     assert [h["path"] for h in record["validation_data"]] == [str(val_file)]
     assert len(list(store.iterdir())) == 2  # training and validation stores
 
-    import mlx_dspark.train as train_module
+    import mlx_dspark.training.run as train_module
 
     _, _, drafter = load(target_dir, result.out)
     val_sequences, _ = load_sequences([val_file], tokenizer, 64)

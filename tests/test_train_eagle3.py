@@ -13,13 +13,12 @@ import pytest
 import test_train
 from mlx_lm.generate import generate_step
 
-from mlx_dspark.data import Sequence
-from mlx_dspark.eagle3 import Eagle3Drafter
-from mlx_dspark.eagle3_loading import is_eagle3_path, load_eagle3
+from mlx_dspark.checkpoints.eagle3 import is_eagle3_path, load_eagle3
 from mlx_dspark.errors import DSparkError
-from mlx_dspark.sampling import SamplingParams
-from mlx_dspark.target import TargetAdapter
-from mlx_dspark.train import TrainArgs, train
+from mlx_dspark.proposers.eagle3 import Eagle3Drafter
+from mlx_dspark.sampling.processing import SamplingParams
+from mlx_dspark.targets.adapter import TargetAdapter
+from mlx_dspark.training.data import Sequence
 from mlx_dspark.training.eagle3 import (
     eagle3_config,
     eagle3_loss_terms,
@@ -27,6 +26,7 @@ from mlx_dspark.training.eagle3 import (
     new_eagle3_drafter,
     unrolled_hidden,
 )
+from mlx_dspark.training.run import TrainArgs, train
 from mlx_dspark.training.teacher import OnlineTeacher
 
 # The structured target and its sampled training text (test_train's fixture).

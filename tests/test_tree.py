@@ -11,13 +11,14 @@ from test_cli import run
 from test_sampling import PROMPT, chi_square, chi_square_critical, exact_joint
 
 from mlx_dspark import stream_generate
-from mlx_dspark.drafter import DrafterProposer
+from mlx_dspark.decoding.loop import prefill, speculative_generate_step
+from mlx_dspark.decoding.modes import ChainMode, TreeMode
 from mlx_dspark.errors import DSparkError
-from mlx_dspark.loop import prefill, speculative_generate_step
-from mlx_dspark.modes import ChainMode, TreeMode
-from mlx_dspark.proposers import Proposal, Round
-from mlx_dspark.sampling import SamplingParams
-from mlx_dspark.target import TargetAdapter
+from mlx_dspark.proposers.base import Proposal, Round
+from mlx_dspark.proposers.copying import pair_proposer
+from mlx_dspark.proposers.dspark import DrafterProposer
+from mlx_dspark.sampling.processing import SamplingParams
+from mlx_dspark.targets.adapter import TargetAdapter
 
 PROMPTS = [[1, 2, 3], [7, 8], [20, 4, 11, 9]]
 MAX_TOKENS = 48
@@ -202,7 +203,7 @@ def sample_first_three(model, drafter, params, make_mode, seeds=SEEDS):
         tokens = speculative_generate_step(
             mx.array(PROMPT),
             target,
-            drafter,
+            pair_proposer(drafter),
             num_draft=drafter.block_size,
             params=params,
             max_tokens=6,

@@ -4,13 +4,19 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_dspark.sampling import (
+from mlx_dspark.decoding.verify import (
+    Verdict,
+    accept_sampled,
+    draw,
+    rejection_step,
+    without,
+)
+from mlx_dspark.sampling.processing import (
     SamplingParams,
     log_probs,
     probabilities,
     processed_logits,
 )
-from mlx_dspark.verify import Verdict, accept_sampled, draw, rejection_step, without
 
 
 def test_a_draft_then_the_rejection_step_samples_the_target():

@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.convert import convert
 from mlx_lm.utils import _get_classes, save_model
 
-from mlx_dspark.structured import PairSpec, _tokenizer_files
+from mlx_dspark.pairs.structured import PairSpec, _tokenizer_files
 
 VOCAB = 32
 WINDOW = 8  # sliding windows, shorter than the generations

@@ -25,9 +25,9 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from mlx_dspark.default import default_pair
-from mlx_dspark.loading import load_target
-from mlx_dspark.target import TargetAdapter
+from mlx_dspark.checkpoints.loading import load_target
+from mlx_dspark.pairs.default import default_pair
+from mlx_dspark.targets.adapter import TargetAdapter
 from mlx_dspark.training.checkpoint import export_drafter
 from mlx_dspark.training.model import (
     copy_trained_weights,

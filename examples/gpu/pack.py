@@ -46,7 +46,7 @@ from mlx_dspark.convert.gguf import (  # noqa: E402
     plan_conversion,
 )
 
-from mlx_dspark.default import find_target_gguf, target_dir  # noqa: E402
+from mlx_dspark.pairs.default import find_target_gguf, target_dir  # noqa: E402
 from mlx_dspark.utils import write_text_atomic  # noqa: E402
 
 PART_LIMIT = 48 * 10**6

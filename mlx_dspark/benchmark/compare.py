@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DSparkError
-from ..settings import build_settings
+from ..policy.settings import build_settings
 from .measure import Measurement, records
 from .modes import Variant, dspark_runner, run_target, sampled_target_runner
 

@@ -9,10 +9,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..loop import (
-    GenerationStats,
-)
-from ..target import TargetAdapter
+from ..decoding.loop import GenerationStats
+from ..targets.adapter import TargetAdapter
 from .modes import Pair, Variant
 
 

@@ -11,12 +11,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..copying import Drafter, own_proposer
+from ..decoding.loop import GenerationStats, RoundStats
 from ..errors import DSparkError
 from ..generation import stream_generate
-from ..loop import GenerationStats, RoundStats
-from ..settings import SpeculationSettings, build_settings
-from ..target import TargetAdapter
+from ..policy.settings import SpeculationSettings, build_settings
+from ..proposers.copying import Drafter, own_proposer
+from ..targets.adapter import TargetAdapter
 
 
 @dataclass

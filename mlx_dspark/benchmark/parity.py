@@ -10,11 +10,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..decoding.loop import ThresholdPolicy, speculative_generate_step
+from ..decoding.modes import ChainMode
 from ..errors import DSparkError
-from ..loop import ThresholdPolicy, speculative_generate_step
-from ..modes import ChainMode
-from ..proposers import Proposal
-from ..target import TargetAdapter
+from ..proposers.base import Proposal
+from ..proposers.copying import pair_proposer
+from ..targets.adapter import TargetAdapter
 from .modes import Pair
 
 PARITY_FORMAT = "mlx-dspark-parity/1"
@@ -60,7 +61,7 @@ def trace_prompt(
     steps = speculative_generate_step(
         mx.array(prompt),
         pair.adapter,
-        pair.drafter,
+        pair_proposer(pair.drafter),
         num_draft=num_draft,
         max_tokens=max_tokens,
         policy=ThresholdPolicy(0.0),

@@ -21,10 +21,10 @@ length, acceptance by position, draft and verify time, peak memory, and
 whether the greedy output equals target-only's. It also measures the memory
 bandwidth and reports the plain-decoding ceiling (bandwidth / bytes read per
 target step) and which BLAS the CPU backend used. Without ``--model`` it runs
-the built-in default pair (:func:`mlx_dspark.default.default_pair`).
+the built-in default pair (:func:`mlx_dspark.pairs.default.default_pair`).
 
 ``--synthetic`` runs a Qwen3-shaped target of real size with structured
-weights (see :mod:`mlx_dspark.synthetic`); all its outputs say "synthetic".
+weights (see :mod:`mlx_dspark.pairs.synthetic`); all its outputs say "synthetic".
 
 Backend parity (greedy): record a golden trace on one backend, replay it on
 another; the check names the first divergence and exits non-zero. On an
@@ -39,7 +39,7 @@ accepted count, and per draft position the sum, absolute sum and maximum of
 the draft logits (compared with ``--parity-rtol``, default 1e-3).
 
 ``--profile`` splits a greedy round into its stages and compares the
-adapter's target forward with mlx-lm's (see :mod:`mlx_dspark.roundprofile`).
+adapter's target forward with mlx-lm's (see :mod:`mlx_dspark.policy.roundprofile`).
 
 ``--compare`` (repeatable) compares several drafters for one target in one
 interleaved run: per temperature (``--temperatures``, seeded sampling),
@@ -64,7 +64,6 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .. import roundprofile
 from ..benchmark.compare import (
     Contender,
     compare_records,
@@ -83,9 +82,10 @@ from ..benchmark.parity import check_trace, read_trace, record_trace
 from ..benchmark.prompts import encode_prompt, load_prompts
 from ..benchmark.report import write_json, write_plots
 from ..benchmark.schema import SCHEMA_VERSION
-from ..default import default_pair
 from ..errors import DSparkError
-from ..settings import build_settings
+from ..pairs.default import default_pair
+from ..policy import roundprofile
+from ..policy.settings import build_settings
 from ..utils import write_atomic
 from .terminal import run_command
 
@@ -338,7 +338,7 @@ def load_pair(args) -> Pair:
     from ..loading import load
 
     if args.synthetic is not None:
-        from ..synthetic import load_synthetic
+        from ..pairs.synthetic import load_synthetic
 
         if args.model or args.draft_model:
             raise DSparkError(
@@ -404,7 +404,7 @@ def _check_args(args) -> None:
     if args.parity_check is not None and not args.parity_check.is_file():
         raise DSparkError(f"The parity trace {args.parity_check} does not exist.")
     if args.synthetic is not None:
-        from ..synthetic import ACCEPT_PROFILES, BITS, SHAPES
+        from ..pairs.synthetic import ACCEPT_PROFILES, BITS, SHAPES
 
         if args.synthetic not in SHAPES:
             raise DSparkError(
@@ -569,7 +569,8 @@ def run_comparison(
     args, prompt_name: str, texts: list[str], console: Console, err: Console
 ) -> None:
     """``--compare``: the drafters side by side for one target."""
-    from ..loading import load, load_drafter
+    from ..checkpoints.loading import load_drafter
+    from ..loading import load
 
     target = args.model if args.model is not None else default_pair()[0]
     model, tokenizer, _ = load(target)

@@ -1,6 +1,6 @@
 """``mlx_dspark calibrate``: calibrate a drafter's confidence head for a pair.
 
-The work is in :mod:`mlx_dspark.calibrate`; this module parses the flags and
+The work is in :mod:`mlx_dspark.policy.calibrate`; this module parses the flags and
 renders the result and the progress.
 """
 
@@ -13,11 +13,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ..calibrate import calibrate_pair
-from ..calibration import CalibrationResult
 from ..errors import DSparkError
 from ..loading import load
-from ..sampling import SamplingParams
+from ..policy.calibrate import calibrate_pair
+from ..policy.calibration import CalibrationResult
+from ..sampling.processing import SamplingParams
 from .terminal import progress_bar, run_command
 
 

@@ -148,8 +148,8 @@ def convert_gguf_cli(args: SimpleNamespace) -> None:
 
 
 def convert_drafter_cli(args: SimpleNamespace) -> None:
+    from ..checkpoints.eagle3 import is_eagle3_path
     from ..convert.drafter import convert_drafter, describe_plan, plan_drafter
-    from ..eagle3_loading import is_eagle3_path
 
     if is_eagle3_path(args.draft_model):
         convert_eagle3_cli(args)

@@ -10,8 +10,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ..doctor import diagnose
-from ..support import Support, target_support
+from ..machine import diagnose
+from ..targets.support import Support, target_support
 from .terminal import run_command
 
 

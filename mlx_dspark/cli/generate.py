@@ -19,10 +19,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..coupled import SAMPLING_METHODS, UNSEEDED_SAMPLING, resolve_sampling
 from ..errors import DSparkError
-from ..gemma3 import PAIR_NAME as GEMMA3_PAIR
-from ..settings import SCHEDULERS, build_settings
+from ..pairs.gemma3 import PAIR_NAME as GEMMA3_PAIR
+from ..policy.settings import SCHEDULERS, build_settings
+from ..sampling.coupled import SAMPLING_METHODS, UNSEEDED_SAMPLING, resolve_sampling
 from .terminal import ArgumentParser, progress_bar, run_cli
 
 # mlx-lm's --max-tokens -1 means "no limit".
@@ -255,7 +255,7 @@ DSPARK_FLAGS = {
 
 def _speculation(args: argparse.Namespace, explicit: set[str], block_size: int):
     """The speculation setup of the DSpark flags (see
-    :func:`~mlx_dspark.settings.build_settings`); a flag not given leaves its
+    :func:`~mlx_dspark.policy.settings.build_settings`); a flag not given leaves its
     ``DSPARK_*`` variable, if any, in charge."""
     alias = "dspark_n_draft" not in explicit and "num_draft_tokens" in explicit
     names = {
@@ -479,7 +479,7 @@ def _run_mlx_lm(args: argparse.Namespace, explicit: set[str]) -> None:
     from mlx_lm.models.cache import QuantizedKVCache, load_prompt_cache
     from mlx_lm.sample_utils import make_sampler
 
-    from ..loading import load_target
+    from ..checkpoints.loading import load_target
 
     given = [flag for dest, flag in DSPARK_FLAGS.items() if dest in explicit]
     if given:
@@ -605,7 +605,7 @@ def _main(argv: Sequence[str] | None = None, prog: str | None = None) -> None:
     if args.model is None and args.draft_model is not None:
         raise DSparkError("--draft-model needs --model (the target it drafts for).")
     if args.draft_model is not None:
-        from ..loading import is_dspark_drafter
+        from ..checkpoints.loading import is_dspark_drafter
 
         dspark = is_dspark_drafter(args.draft_model)
     else:

@@ -13,9 +13,9 @@ import sys
 
 import typer
 
-from ..coupled import SAMPLING_METHODS, UNSEEDED_SAMPLING
 from ..errors import DSparkError
-from ..sampling import SamplingParams
+from ..sampling.coupled import SAMPLING_METHODS, UNSEEDED_SAMPLING
+from ..sampling.processing import SamplingParams
 from .terminal import run_command
 
 
@@ -109,9 +109,9 @@ def _cli(
 ) -> None:
     """Serve /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics."""
     from ..loading import load
-    from ..profile import get_profile, load_profile, trusted
+    from ..policy.profile import get_profile, load_profile, trusted
+    from ..policy.settings import build_settings
     from ..serving import BatchEngine, EngineConfig, ServerSettings, make_server
-    from ..settings import build_settings
 
     level = getattr(logging, log_level.upper(), None)
     if not isinstance(level, int):

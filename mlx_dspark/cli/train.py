@@ -1,7 +1,7 @@
 """``mlx_dspark train``: train a DSpark (or DFlash, EAGLE-3) drafter for an mlx-lm target.
 
-The flags map one to one onto :class:`mlx_dspark.train.TrainArgs`; the work is
-:func:`mlx_dspark.train.train`. The parser is argparse (with one-sentence
+The flags map one to one onto :class:`mlx_dspark.training.run.TrainArgs`; the work is
+:func:`mlx_dspark.training.run.train`. The parser is argparse (with one-sentence
 errors), not typer: ``--data A.jsonl B.txt`` takes several values after one
 flag, which click options cannot, and existing command lines must keep working.
 """
@@ -23,7 +23,7 @@ from rich.progress import (
 )
 from rich.progress import Progress as RichProgress
 
-from ..train import DTYPES, KINDS, Progress, TrainArgs, train
+from ..training.run import DTYPES, KINDS, Progress, TrainArgs, train
 from .terminal import ArgumentParser, log_to_terminal, run_cli
 
 

@@ -25,8 +25,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import mlx.core as mx
 
 from ..errors import DSparkError
-from ..sampling import SamplingParams
-from ..telemetry import render_prometheus
+from ..policy.telemetry import render_prometheus
+from ..sampling.processing import SamplingParams
 from .engine import BatchEngine, Event, GenerationRequest, RequestHandle
 
 logger = logging.getLogger("mlx_dspark.server")

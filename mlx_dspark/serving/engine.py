@@ -5,10 +5,10 @@ every active request, Algorithm 1 (:meth:`SchedulerPolicy.draft_lengths`, one
 call over the whole batch, with each request's calibrated survival and the
 measured cost of batched target steps) decides how many drafts of each request
 to verify, and one :meth:`TargetAdapter.forward_rows` verifies them all, in
-place in the batch's shared cache (:class:`~mlx_dspark.target.RequestBatch`).
+place in the batch's shared cache (:class:`~mlx_dspark.targets.adapter.RequestBatch`).
 Prompts that arrive together prefill together. Each request keeps its own
 row, draft cache, sampling parameters and random streams, and accepts with
-the package's own rule (:func:`~mlx_dspark.modes.settle_chain`), so its
+the package's own rule (:func:`~mlx_dspark.decoding.modes.settle_chain`), so its
 tokens are what it would get alone: greedy identical, sampled exact.
 
 All MLX work happens on the engine's one thread; callers talk to it through
@@ -29,20 +29,20 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..copying import Drafter, context_bias, pair_proposer
-from ..coupled import TokenKeys, resolve_sampling
-from ..drafter import DSparkDrafter
-from ..loop import RoundStats, first_token
-from ..memory import MemoryGuard
-from ..modes import settle_chain
-from ..policies import SchedulerPolicy, telemetry_for
-from ..proposers import Proposal, Proposer, Round, joined
-from ..sampling import SamplingParams
-from ..scheduler import SchedulerSettings, StepRateCurve
-from ..settings import build_settings
-from ..target import BatchRow, RequestBatch, TargetAdapter
-from ..telemetry import Telemetry
-from ..verify import Randomness
+from ..decoding.loop import RoundStats, first_token
+from ..decoding.modes import settle_chain
+from ..decoding.verify import Randomness
+from ..policy.memory import MemoryGuard
+from ..policy.policies import SchedulerPolicy, telemetry_for
+from ..policy.scheduler import SchedulerSettings, StepRateCurve
+from ..policy.settings import build_settings
+from ..policy.telemetry import Telemetry
+from ..proposers.base import Proposal, Proposer, Round, joined
+from ..proposers.copying import Drafter, context_bias, pair_proposer
+from ..proposers.dspark import DSparkDrafter
+from ..sampling.coupled import TokenKeys, resolve_sampling
+from ..sampling.processing import SamplingParams
+from ..targets.adapter import BatchRow, RequestBatch, TargetAdapter
 from .prompt_cache import CachedPrompt, PromptCache
 
 logger = logging.getLogger("mlx_dspark.server")
@@ -329,9 +329,9 @@ class EngineConfig:
     in steps where it does not pay (:class:`DraftGate`). ``prompt_cache_size``
     / ``prompt_cache_bytes``: the :class:`PromptCache` (0: none).
     ``sampling``: the sampled requests' rule, ``"coupled"`` or
-    ``"residual"`` (:mod:`~mlx_dspark.coupled`); None: coupled for a request
+    ``"residual"`` (:mod:`~mlx_dspark.sampling.coupled`); None: coupled for a request
     with a seed (its tokens are then ``mlx_lm.generate``'s with that seed),
-    else :data:`~mlx_dspark.coupled.UNSEEDED_SAMPLING`."""
+    else :data:`~mlx_dspark.sampling.coupled.UNSEEDED_SAMPLING`."""
 
     num_draft: int | None = None
     max_batch: int = 8
@@ -389,7 +389,7 @@ class BatchEngine:
     runs batched draft / schedule / verify steps until every request is done.
 
     ``proposer``, when given, proposes each request's chains alone through
-    :class:`~mlx_dspark.proposers.Proposer` (one state per request) instead
+    :class:`~mlx_dspark.proposers.base.Proposer` (one state per request) instead
     of the drafter's batched backbone; ``drafter`` still names the pair
     (its target layers, block and calibration). An EAGLE-3 ``drafter``
     always goes through its pair's proposer.
@@ -404,7 +404,7 @@ class BatchEngine:
         memory_source=None,
         proposer: Proposer | None = None,
     ):
-        from ..calibrate import find_calibration
+        from ..policy.calibrate import find_calibration
 
         self.model = model
         self.drafter = drafter
@@ -624,7 +624,7 @@ class BatchEngine:
 
     def _prefill_group(self, group: list[tuple[_Slot, int]]) -> None:
         """The next chunk of each request's prompt, in one target forward, as
-        :func:`~mlx_dspark.loop.prefill` runs it; after its last chunk a
+        :func:`~mlx_dspark.decoding.loop.prefill` runs it; after its last chunk a
         request joins the batch."""
         slots = [slot for slot, _ in group]
         try:
@@ -863,7 +863,7 @@ class BatchEngine:
 
     def _copy_bias(self, slots: list[_Slot], n: int):
         """The bias toward each request's ``n`` tokens copied from its context
-        (:func:`~mlx_dspark.copying.context_bias`), or None when the drafter
+        (:func:`~mlx_dspark.proposers.copying.context_bias`), or None when the drafter
         does not copy."""
         contexts = [[*s.context, s.anchor] for s in slots]
         return context_bias(self.drafter, contexts, n)

@@ -1,5 +1,7 @@
-"""Training a DSpark drafter, along its seams (``mlx_dspark.train`` drives it).
+"""Training a DSpark drafter, along its seams (:mod:`.run` is what ``mlx_dspark.train`` runs).
 
+* :mod:`.run` - a training run from its arguments: data, store, steps, export;
+* :mod:`.data` - training text: reading, tokenizing, regenerating with the target;
 * :mod:`.model` - the drafter's configuration and initialisation, and the
   many-blocks-at-once training forward;
 * :mod:`.batches` - anchors, blocks and labels of a step, the draft vocabulary;

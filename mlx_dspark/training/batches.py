@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 import mlx.core as mx
 import numpy as np
 
-from ..data import Sequence
+from .data import Sequence
 
 
 @dataclass

@@ -14,10 +14,10 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..drafter import DSparkDrafter
-from ..eagle3 import Eagle3Drafter
 from ..errors import DSparkError
-from ..target import TargetAdapter
+from ..proposers.dspark import DSparkDrafter
+from ..proposers.eagle3 import Eagle3Drafter
+from ..targets.adapter import TargetAdapter
 from ..utils import umask
 from .model import dense_weight, head_weight
 

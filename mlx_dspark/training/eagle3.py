@@ -7,7 +7,7 @@ that training sees what drafting sees. Position ``t`` at step ``j`` is fed
 token ``t + 1 + j`` at RoPE position ``t + j`` and predicts token
 ``t + 2 + j``; it attends to the step-0 keys of positions ``0 .. t`` and to
 its own keys of steps ``1 .. j`` - exactly the keys
-:meth:`~mlx_dspark.eagle3.Eagle3Drafter.draft` holds when it drafts its
+:meth:`~mlx_dspark.proposers.eagle3.Eagle3Drafter.draft` holds when it drafts its
 ``j``-th token after position ``t``. The loss per step is the soft
 cross-entropy against the target's distribution, summed over supervised
 positions and divided by the sequence length (DeepSpec's per-sequence
@@ -26,11 +26,11 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from ..data import Sequence
-from ..eagle3 import Eagle3Drafter
-from ..eagle3_config import Eagle3Config
 from ..errors import DSparkError
-from ..target import TargetAdapter
+from ..proposers.eagle3 import Eagle3Drafter
+from ..proposers.eagle3_config import Eagle3Config
+from ..targets.adapter import TargetAdapter
+from .data import Sequence
 from .model import start_norm_from_target, target_text_config, use_target_embeddings
 
 STEP_LOSS_DECAY = 0.8

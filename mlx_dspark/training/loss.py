@@ -24,8 +24,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..drafter import DSparkDrafter
-from ..heads import MarkovHead
+from ..proposers.dspark import DSparkDrafter
+from ..proposers.dspark_heads import MarkovHead
 from .batches import Batch
 from .model import training_hidden
 

@@ -10,13 +10,18 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..config import DraftConfig
-from ..drafter import DraftAttention, DraftLayer, DSparkDrafter, Gemma4DraftLayer
+from ..checkpoints.loading import load_drafter
+from ..checkpoints.weights import dequantize
 from ..errors import DSparkError
-from ..heads import GatedMarkovHead
-from ..loading import load_drafter
-from ..target import TargetAdapter
-from ..weights import dequantize
+from ..proposers.dspark import (
+    DraftAttention,
+    DraftLayer,
+    DSparkDrafter,
+    Gemma4DraftLayer,
+)
+from ..proposers.dspark_config import DraftConfig
+from ..proposers.dspark_heads import GatedMarkovHead
+from ..targets.adapter import TargetAdapter
 
 
 def default_layer_ids(num_layers: int) -> list[int]:

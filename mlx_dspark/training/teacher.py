@@ -31,10 +31,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..data import Sequence
-from ..target import TargetAdapter
+from ..targets.adapter import TargetAdapter
 from ..utils import write_text_atomic
 from .batches import Batch
+from .data import Sequence
 
 STORE_VERSION = 1
 F16_MAX = 6.0e4

@@ -1,0 +1,11 @@
+"""Proposers: whatever drafts a round's tokens, side by side.
+
+* :mod:`.base` - the protocol the decoding loop calls (``Round`` in,
+  ``Proposal`` out) and what proposers share;
+* :mod:`.dspark` - DSpark and DFlash drafters (:mod:`.dspark_config`,
+  :mod:`.dspark_heads`: the sequential and confidence heads);
+* :mod:`.eagle3` - EAGLE-3 drafters (:mod:`.eagle3_config`);
+* :mod:`.copying` and :mod:`.lookup` - copies from the context and the phrase
+  store, composed with a drafter; the pair's proposer;
+* :mod:`.vocabulary` - a reduced draft vocabulary and its map to the target's.
+"""
