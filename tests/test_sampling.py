@@ -74,11 +74,13 @@ def sample_first_three(
     policy=None,
     prompt=PROMPT,
     proposer=None,
+    copy_draft=None,
+    copy_as_is=False,
     **loop,
 ):
     """``policy``, when given, makes each seed's draft policy; ``proposer``
-    stands for the drafter's own; ``loop`` holds other arguments of the
-    generation loop."""
+    stands for the pair's (``copy_draft`` and ``copy_as_is`` configure that
+    one); ``loop`` holds other arguments of the generation loop."""
     target = TargetAdapter(model, drafter.config.target_layer_ids)
     samples, stats = Counter(), GenerationStats()
     loop = {"num_draft": drafter.block_size, "max_tokens": 3, **loop}
@@ -86,7 +88,7 @@ def sample_first_three(
         tokens = speculative_generate_step(
             mx.array(prompt),
             target,
-            proposer or pair_proposer(drafter),
+            proposer or pair_proposer(drafter, copy_draft, copy_as_is),
             params=params,
             seed=seed,
             mode=mode,
