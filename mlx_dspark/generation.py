@@ -241,6 +241,60 @@ _POLICY_NAMES = {
 }
 
 
+_KIND_NAMES = {
+    "plain": "Plain rounds",
+    "own": "Drafter's own block",
+    "copy": "Context copy",
+    "phrases": "Phrase-store copy",
+}
+
+
+def _kind_lines(stats: GenerationStats) -> list[str]:
+    """A line per kind of round that ran: how many rounds, drafts verified and
+    tokens kept per round, the longest verified."""
+    total = len(stats.rounds)
+    lines = []
+    for kind, summary in stats.by_kind().items():
+        line = f"{_KIND_NAMES[kind]}: {summary.rounds} of {total} rounds"
+        if kind == "plain":
+            line += " (one target step, 1 token each)"
+        else:
+            line += (
+                f", {summary.verified_per_round:.2f} drafts verified and "
+                f"{summary.kept_per_round:.2f} tokens kept per round, "
+                f"longest verified {summary.longest}"
+            )
+        lines.append(line)
+    return lines
+
+
+# The confidence head's check holds when expected and accepted drafts per
+# round differ by at most this share of the accepted (or a quarter draft).
+CHECK_TOLERANCE = 0.2
+
+
+def _confidence_check(tele: Telemetry) -> str | None:
+    """Expected vs accepted drafts per round over the rounds the confidence
+    head predicted, and whether to (re)calibrate."""
+    check = tele.predicted_check
+    if check is None:
+        return None
+    expected, accepted = check
+    line = (
+        f"Confidence head: expected {expected:.2f} vs accepted {accepted:.2f} "
+        f"drafts per round over the {tele.predicted_rounds} rounds it predicted"
+    )
+    if not tele.calibration:
+        return line + "; uncalibrated (raw confidences): run mlx_dspark.calibrate"
+    if abs(expected - accepted) <= max(0.25, CHECK_TOLERANCE * accepted):
+        return line + "; the calibration holds"
+    way = "over" if expected > accepted else "under"
+    return line + (
+        f"; the calibration is {way}-confident on this text: "
+        "run mlx_dspark.calibrate on prompts like it"
+    )
+
+
 def format_stats(response: DSparkResponse) -> list[str]:
     lines = [
         f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec",
@@ -256,16 +310,13 @@ def format_stats(response: DSparkResponse) -> list[str]:
         ]
     tele = response.telemetry
     if tele is not None and tele.n_rounds:
-        line = f"Policy: {_POLICY_NAMES.get(tele.policy, tele.policy)}"
-        if stats is not None and stats.rounds:
-            plain = sum(r.drafted == 0 for r in stats.rounds)
-            line += f", plain decoding in {plain} of {len(stats.rounds)} rounds"
-        line += (
-            f"; expected {tele.expected_accepted / tele.n_rounds:.2f} vs actual "
-            f"{tele.drafts_accepted / tele.n_rounds:.2f} accepted drafts per round, "
-            f"draft length now {tele.n_current}"
-        )
-        lines.append(line)
+        lines.append(f"Policy: {_POLICY_NAMES.get(tele.policy, tele.policy)}")
+    if stats is not None and stats.rounds:
+        lines += _kind_lines(stats)
+    if tele is not None and tele.n_rounds:
+        check = _confidence_check(tele)
+        if check:
+            lines.append(check)
         if tele.note:
             lines.append(tele.note)
         if tele.calibration:

@@ -522,6 +522,120 @@ def test_the_summary_names_the_cost_profile(useless_pair, tmp_path, monkeypatch)
     assert path.is_file()
 
 
+def summary_of(stats, telemetry) -> list[str]:
+    from mlx_dspark.generation import DSparkResponse, format_stats
+
+    response = DSparkResponse(
+        text="",
+        token=0,
+        logprobs=None,
+        from_draft=False,
+        prompt_tokens=3,
+        prompt_tps=1.0,
+        generation_tokens=10,
+        generation_tps=1.0,
+        peak_memory=0.0,
+        stats=stats,
+        telemetry=telemetry,
+    )
+    return format_stats(response)
+
+
+def test_the_summary_gives_each_kind_of_round_and_the_heads_own_check():
+    """Issue 80: copies carry no prediction, so counting them as unexpected
+    made the old line read "expected 0.24 vs actual 1.71 accepted drafts per
+    round, draft length now 1" on a run that kept 2.71 tokens a round. Each
+    kind of round gets its own figures, and the confidence head is checked
+    on the rounds it predicted only."""
+    from mlx_dspark.policy.recording import RecordingPolicy
+
+    # Raw confidence 0 predicts survival 0.5, 0.25, 0.125: 0.875 drafts.
+    predicted = Proposal(mx.zeros((1, 3), mx.int32), None, mx.zeros((1, 3)))
+    policy, stats = RecordingPolicy(), GenerationStats()
+    rounds = [
+        (predicted, RoundStats(3, 3, 1)),
+        (predicted, RoundStats(3, 3, 0)),
+        (NO_PROPOSAL, RoundStats(0, 0, 0)),
+        (NO_PROPOSAL, RoundStats(15, 15, 15, copy_offered=True)),
+        (NO_PROPOSAL, RoundStats(15, 9, 9, copy_offered=True)),
+        (NO_PROPOSAL, RoundStats(6, 6, 2, copy_offered=True, phrases_offered=True)),
+    ]
+    for proposal, round_stats in rounds:
+        policy.observe(proposal, round_stats)
+        stats.rounds.append(round_stats)
+    tele = policy.telemetry
+    tele.policy, tele.n_current = "adaptive", 1
+    # What the old line said: copies as unexpected, the last cap as the length.
+    assert tele.expected_accepted / tele.n_rounds == pytest.approx(0.29, abs=0.005)
+    assert tele.drafts_accepted / tele.n_rounds == pytest.approx(4.5)
+    assert tele.predicted_check == pytest.approx((0.875, 0.5))
+    lines = summary_of(stats, tele)
+    start = lines.index(
+        "Policy: adaptive (the draft length with the best measured tokens/s)"
+    )
+    assert lines[start + 1 : start + 6] == [
+        "Plain rounds: 1 of 6 rounds (one target step, 1 token each)",
+        "Drafter's own block: 2 of 6 rounds, 3.00 drafts verified and 1.50 tokens "
+        "kept per round, longest verified 3",
+        "Context copy: 2 of 6 rounds, 12.00 drafts verified and 13.00 tokens kept "
+        "per round, longest verified 15",
+        "Phrase-store copy: 1 of 6 rounds, 6.00 drafts verified and 3.00 tokens "
+        "kept per round, longest verified 6",
+        "Confidence head: expected 0.88 vs accepted 0.50 drafts per round over the "
+        "2 rounds it predicted; uncalibrated (raw confidences): run "
+        "mlx_dspark.calibrate",
+    ]
+    assert not any("draft length now" in line for line in lines)
+    tele.calibration = "pair.calibration.json"
+    check = summary_of(stats, tele)[start + 5]
+    assert check.endswith(
+        "; the calibration is over-confident on this text: run "
+        "mlx_dspark.calibrate on prompts like it"
+    )
+    # A calibration that predicts what was kept holds.
+    held = RecordingPolicy()
+    held.telemetry.calibration = "pair.calibration.json"
+    held.observe(predicted, RoundStats(3, 3, 1))
+    assert held.telemetry.predicted_check == pytest.approx((0.875, 1.0))
+    assert summary_of(GenerationStats([RoundStats(3, 3, 1)]), held.telemetry)[
+        -3
+    ].endswith("; the calibration holds")
+
+
+def test_a_run_with_copies_sums_up_each_kind(pair_factory, monkeypatch):
+    """A real run of the default policy with copying: the summary's figures
+    are the rounds' own, and the confidence head is checked on the rounds
+    whose drafts it predicted (a copy verified as it is has no prediction)."""
+    from mlx_dspark.decoding.loop import round_kind
+    from mlx_dspark.generation import format_stats
+
+    fake_loop_clock(monkeypatch)
+    model, tokenizer, drafter, *_ = pair_factory(block_size=8)
+    drafter.policy_memory = None
+    with copy_bias(drafter, 1e3):
+        responses = list(
+            stream_generate(model, tokenizer, drafter, [13, 5, 5, 21, 2, 17], 96)
+        )
+    stats, tele = responses[-1].stats, responses[-1].telemetry
+    lines = format_stats(responses[-1])
+    copies = [r for r in stats.rounds if round_kind(r) == "copy"]
+    own = [r for r in stats.rounds if round_kind(r) == "own"]
+    assert copies and own
+    kept = sum(r.accepted + 1 for r in copies) / len(copies)
+    longest = max(r.verified for r in copies)
+    assert any(
+        line.startswith(f"Context copy: {len(copies)} of {len(stats.rounds)} rounds")
+        and line.endswith(
+            f"{kept:.2f} tokens kept per round, longest verified {longest}"
+        )
+        for line in lines
+    ), lines
+    assert longest > drafter.block_size
+    assert 0 < tele.predicted_rounds <= len(own)
+    check = next(line for line in lines if line.startswith("Confidence head"))
+    assert f"over the {tele.predicted_rounds} rounds it predicted" in check
+
+
 def test_copies_start_from_their_own_prior_not_the_calibrations():
     """The calibration measured the drafter's own drafts on its prompts: deep
     positions it rarely kept say nothing about how far a copy holds."""

@@ -42,6 +42,46 @@ class RoundStats:
     phrases_offered: bool = False  # the copy came from the phrase store
 
 
+# The kinds of rounds, in the order a summary lists them: plain (no drafts),
+# the drafter's own block, a copy from the context, a copy from the phrase
+# store (:mod:`~mlx_dspark.proposers.lookup`).
+ROUND_KINDS = ("plain", "own", "copy", "phrases")
+
+
+def round_kind(stats: RoundStats) -> str:
+    """Which of :data:`ROUND_KINDS` a finished round was."""
+    if stats.drafted == 0:
+        return "plain"
+    if stats.phrases_offered:
+        return "phrases"
+    return "copy" if stats.copy_offered else "own"
+
+
+@dataclass
+class KindSummary:
+    """The rounds of one kind: how many, drafts verified and tokens kept
+    (accepted drafts plus the target's token) in all, the longest verified."""
+
+    rounds: int = 0
+    verified: int = 0
+    kept: int = 0
+    longest: int = 0
+
+    def add(self, stats: RoundStats) -> None:
+        self.rounds += 1
+        self.verified += stats.verified
+        self.kept += stats.accepted + 1
+        self.longest = max(self.longest, stats.verified)
+
+    @property
+    def verified_per_round(self) -> float:
+        return self.verified / self.rounds if self.rounds else 0.0
+
+    @property
+    def kept_per_round(self) -> float:
+        return self.kept / self.rounds if self.rounds else 0.0
+
+
 @dataclass
 class GenerationStats:
     rounds: list[RoundStats] = field(default_factory=list)
@@ -64,6 +104,14 @@ class GenerationStats:
             tried = [r for r in self.rounds if r.verified >= k]
             rates.append(sum(r.accepted >= k for r in tried) / len(tried))
         return rates
+
+    def by_kind(self) -> dict[str, KindSummary]:
+        """The rounds by kind (:func:`round_kind`), in :data:`ROUND_KINDS`
+        order, the kinds that ran only."""
+        kinds: dict[str, KindSummary] = {}
+        for r in self.rounds:
+            kinds.setdefault(round_kind(r), KindSummary()).add(r)
+        return {k: kinds[k] for k in ROUND_KINDS if k in kinds}
 
     @property
     def draft_time(self) -> float:

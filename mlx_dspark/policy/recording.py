@@ -87,5 +87,6 @@ class RecordingPolicy:
             expected,
             round_stats.accepted,
             round_stats.verify_time * 1000.0,
+            0 if survival is None else int(survival.size),
         )
         return survival

@@ -15,7 +15,10 @@ class RoundRecord:
     cap: draft cap in force (n_max or the memory guard's); admitted: drafts
     sent to verification; expected_accepted: sum of the admitted calibrated
     survivals a_j (what the scheduler predicted); accepted: drafts the target
-    accepted; verify_ms: latency of the verification forward (nan if unknown).
+    accepted; verify_ms: latency of the verification forward (nan if unknown);
+    predicted: how many of the admitted drafts the confidence head predicted
+    (0: a round without a prediction, such as a plain round or a copy
+    verified as it is, which no drafter ran for).
     """
 
     cap: int
@@ -23,6 +26,7 @@ class RoundRecord:
     expected_accepted: float
     accepted: int
     verify_ms: float = float("nan")
+    predicted: int = 0
 
 
 @dataclass
@@ -51,6 +55,12 @@ class Telemetry:
     verify_ms_sum: float = 0.0
     verify_count: int = 0
     length_counts: dict[int, int] = field(default_factory=dict)
+    # The confidence head's check, over the rounds it predicted only: those
+    # rounds, the survival it predicted and the drafts accepted among the
+    # positions it predicted.
+    predicted_rounds: int = 0
+    predicted_expected: float = 0.0
+    predicted_accepted: int = 0
 
     def __post_init__(self) -> None:
         self.recent = deque(self.recent, maxlen=self.window)
@@ -66,6 +76,10 @@ class Telemetry:
         if math.isfinite(rec.verify_ms):
             self.verify_ms_sum += float(rec.verify_ms)
             self.verify_count += 1
+        if rec.predicted > 0:
+            self.predicted_rounds += 1
+            self.predicted_expected += float(rec.expected_accepted)
+            self.predicted_accepted += min(int(rec.accepted), int(rec.predicted))
 
     def record_round(
         self,
@@ -74,10 +88,22 @@ class Telemetry:
         expected_accepted: float,
         accepted: int,
         verify_ms: float = float("nan"),
+        predicted: int = 0,
     ) -> RoundRecord:
-        rec = RoundRecord(cap, admitted, expected_accepted, accepted, verify_ms)
+        rec = RoundRecord(
+            cap, admitted, expected_accepted, accepted, verify_ms, predicted
+        )
         self.record(rec)
         return rec
+
+    @property
+    def predicted_check(self) -> tuple[float, float] | None:
+        """The confidence head's calibration check: expected and accepted
+        drafts per round over the rounds it predicted (None before any)."""
+        if self.predicted_rounds == 0:
+            return None
+        n = self.predicted_rounds
+        return self.predicted_expected / n, self.predicted_accepted / n
 
     @property
     def acceptance_rate(self) -> float:
