@@ -107,7 +107,9 @@ def stream_generate(
     when no other DSpark argument is given, an explicit ``num_draft`` means
     always that many. ``confidence_threshold=None`` means
     ``DSPARK_CONFIDENCE_THRESHOLD`` or off; a given threshold wins over it.
-    ``profile="refresh"`` re-measures the cost profile;
+    ``profile="refresh"`` re-measures the cost profile (the default policy
+    merges what a generation measured into the cached profile when it ends,
+    :func:`~mlx_dspark.policy.profile.save_measured`);
     ``profile_progress(done, total)`` follows a measurement. ``settings``: a
     setup :func:`~mlx_dspark.policy.settings.build_settings` already decided from
     these arguments (then leave them out). Responses carry ``stats``,
@@ -218,19 +220,31 @@ def stream_generate(
             settings=settings,
         )
 
-    for n, (token, from_draft) in enumerate(tokens):
-        if n == 0:
-            prompt_tps = prompt.size / max(time.perf_counter() - tic, 1e-9)
-            tic = time.perf_counter()
-        if token in tokenizer.eos_token_ids:
-            break
-        detokenizer.add_token(token)
-        if n + 1 == max_tokens:
-            break
-        yield response(token, from_draft, n + 1)
-    detokenizer.finalize()
-    reason = "stop" if token in tokenizer.eos_token_ids else "length"
-    yield response(token, from_draft, n + 1, reason)
+    # What the policy measured goes into the cached cost profile when the
+    # generation ends, also when the caller stops reading early.
+    save_costs = (
+        None if drafter is None else getattr(resolved.policy, "save_costs", None)
+    )
+    try:
+        for n, (token, from_draft) in enumerate(tokens):
+            if n == 0:
+                prompt_tps = prompt.size / max(time.perf_counter() - tic, 1e-9)
+                tic = time.perf_counter()
+            if token in tokenizer.eos_token_ids:
+                break
+            detokenizer.add_token(token)
+            if n + 1 == max_tokens:
+                break
+            yield response(token, from_draft, n + 1)
+        detokenizer.finalize()
+        reason = "stop" if token in tokenizer.eos_token_ids else "length"
+        if save_costs is not None:
+            save_costs()
+            save_costs = None
+        yield response(token, from_draft, n + 1, reason)
+    finally:
+        if save_costs is not None:
+            save_costs()
 
 
 _POLICY_NAMES = {

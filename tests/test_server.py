@@ -634,6 +634,48 @@ def test_step_cost_curve():
     assert alone.curve().step_seconds(20) == pytest.approx(0.1)
 
 
+def test_step_cost_keeps_one_request_s_steps_for_the_profile():
+    from mlx_dspark.serving.engine import StepCost
+
+    cost = StepCost()
+    for seconds in (0.01, 0.03, 0.02):
+        cost.record_verify(3, seconds)
+        cost.record_verify(6, 0.5, requests=2)  # two requests' rows: not the profile's
+        cost.record_draft(0.004)
+    measured = cost.take_measured()
+    assert measured.verify == {3: (0.02, 3)} and measured.draft == (0.004, 3)
+    assert not cost.take_measured()
+
+
+def test_the_engine_writes_its_costs_back(pair, tmp_path, monkeypatch):
+    """A finished request merges the engine's measured steps into the cached
+    profile it started from (at most once every ``save_costs_every``
+    seconds); an engine without one writes nothing."""
+    from mlx_dspark.policy.profile import load_profile, profile_key, profile_path
+    from mlx_dspark.policy.scheduler import StepRateCurve
+
+    model, tokenizer, drafter, *_ = pair
+    monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path))
+    key = profile_key(model, drafter)
+    path = profile_path(key)
+    path.parent.mkdir(parents=True)
+    prior = StepRateCurve.linear(0.01, 0.001, 9, draft_seconds=0.002)
+    prior.meta["key"] = key
+    prior.save(path)
+    prompt = tokenizer.encode(PROMPTS[0])
+    for config, runs in (
+        (EngineConfig(adaptive=False), None),  # --dspark-profile none
+        (EngineConfig(adaptive=False, prior=load_profile(model, drafter)), 1),
+    ):
+        engine = BatchEngine(model, tokenizer, drafter, config).start()
+        try:
+            run_engine(engine, [prompt], 32)
+            run_engine(engine, [prompt], 32)  # within save_costs_every
+        finally:
+            engine.stop()
+        assert json.loads(path.read_text())["meta"].get("runs") == runs
+
+
 @pytest.mark.parametrize("head", HEADS, ids=head_id)
 def test_batched_drafting_every_head(pair_factory, head):
     """The drafter backbone batched over requests (padded context, per-row

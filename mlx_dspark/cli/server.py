@@ -86,7 +86,8 @@ def _cli(
         "--dspark-profile",
         help="Cost profile the scheduler starts from: auto (the cached one, if "
         "any), refresh (measure it now), none. The server refines it with "
-        "its own measured step times either way.",
+        "its own measured step times either way, and merges them into the "
+        "cached profile (auto, refresh) so that a later start begins from them.",
     ),
     dspark_sampling: str | None = typer.Option(
         None,

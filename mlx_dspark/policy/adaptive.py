@@ -22,6 +22,9 @@ Predicted tokens/s for ``n`` drafts is ``E(n) / cost(n)``:
   measured lately, scaled to the measured ones. So that a length the profile
   prices too high is measured at all, the policy now and then tries one whose
   least possible cost would clearly win (:meth:`AdaptivePolicy.exploration`).
+  When a generation ends, what it measured is merged into the cached
+  profile (:meth:`AdaptivePolicy.save_costs`), so a later process starts
+  from it.
 
 Drafting stops only when even an optimistic first-draft acceptance (the
 estimate plus ``optimism`` standard errors of its decayed counts) predicts
@@ -363,6 +366,18 @@ class AdaptivePolicy(RecordingPolicy):
         costs[0] = costs[1]  # the block is drafted already: verifying 0 saves little
         curve = StepRateCurve(list(range(1, cap + 2)), [1.0 / t for t in costs])
         return schedule([survival], curve, [cap])[0]
+
+    def save_costs(self) -> bool:
+        """Merge the costs measured since the last call into the cached
+        profile this policy started from
+        (:func:`~mlx_dspark.policy.profile.save_measured`), so that the next
+        process starts from them; whether it was written. Nothing is written
+        for a profile that did not come from the cache (no ``meta["key"]``)."""
+        from .profile import save_measured
+
+        measured = self.costs.take_measured()
+        key = None if self.profile is None else self.profile.meta.get("key")
+        return key is not None and save_measured(key, measured)
 
     def observe(self, proposal: Proposal, round_stats: RoundStats) -> None:
         super().observe(proposal, round_stats)

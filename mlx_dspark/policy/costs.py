@@ -28,6 +28,13 @@ price clearly beats its best choice
 (:class:`~mlx_dspark.policy.adaptive.AdaptivePolicy`); once measured it is priced
 as measured, until its measurements are ``memory`` rounds old, and the
 lengths past it by the profile scaled to it.
+
+A plain round is priced, until plain rounds are measured, at the plain cost
+an earlier run wrote into the profile (scaled like the verifies), else as the
+drafted rounds price it. What a run measured is handed back as
+:class:`MeasuredCosts` (:meth:`RoundCosts.take_measured`) for
+:func:`~mlx_dspark.policy.profile.save_measured` to merge into the cached
+profile, so that the next process starts from it.
 """
 
 from __future__ import annotations
@@ -67,6 +74,20 @@ def robust_line(
 
 
 @dataclass
+class MeasuredCosts:
+    """What a run measured since its costs were last written back: per
+    verified query length, per drafting pass of the drafter's own block and
+    per plain round, ``(median recent seconds, rounds measured)``."""
+
+    verify: dict[int, tuple[float, int]] = field(default_factory=dict)
+    draft: tuple[float, int] | None = None
+    plain: tuple[float, int] | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.verify) or self.draft is not None or self.plain is not None
+
+
+@dataclass
 class RoundCosts:
     """Recent measured costs of rounds, by kind and query length.
 
@@ -87,6 +108,10 @@ class RoundCosts:
     drafting: deque = field(default_factory=deque)  # rounds in steady state
     catching_up: deque = field(default_factory=deque)  # after a plain run
     host: deque = field(default_factory=deque)
+    # The drafter's own block in steady rounds (a copy may skip the drafter),
+    # and what was measured since the last write-back (take_measured).
+    own_drafting: deque = field(default_factory=deque)
+    unsaved: dict = field(default_factory=dict)  # q, "draft", "plain": rounds
 
     def __post_init__(self) -> None:
         self.plain = deque(self.plain, maxlen=self.window)
@@ -94,6 +119,8 @@ class RoundCosts:
         self.drafting = deque(self.drafting, maxlen=self.drafted_window)
         self.catching_up = deque(self.catching_up, maxlen=self.window)
         self.host = deque(self.host, maxlen=self.drafted_window)
+        self.own_drafting = deque(self.own_drafting, maxlen=self.drafted_window)
+        self.unsaved = dict(self.unsaved)
 
     def copy(self) -> RoundCosts:
         """An independent copy (a later generation starts from it)."""
@@ -106,15 +133,39 @@ class RoundCosts:
         self.rounds += 1
         if stats.drafted == 0:
             self.plain.append(stats.wall_time or stats.verify_time)
+            self._unsaved("plain")
             return
         q = stats.verified + 1
         times = self.verify.setdefault(q, deque(maxlen=self.window))
         times.append((self.rounds, stats.verify_time))
+        self._unsaved(q)
         (self.drafting if steady else self.catching_up).append(stats.draft_time)
+        if steady and not stats.copy_offered:
+            self.own_drafting.append(stats.draft_time)
+            self._unsaved("draft")
         if stats.wall_time:
             self.host.append(
                 max(0.0, stats.wall_time - stats.draft_time - stats.verify_time)
             )
+
+    def _unsaved(self, what: int | str) -> None:
+        self.unsaved[what] = self.unsaved.get(what, 0) + 1
+
+    def take_measured(self) -> MeasuredCosts:
+        """What was measured since the last call (the median of each cost's
+        recent measurements, and how many rounds measured it since), and
+        start counting again."""
+        measured = MeasuredCosts()
+        recent = self.measured()
+        for what, rounds in self.unsaved.items():
+            if what == "plain" and self.plain:
+                measured.plain = (median(self.plain), rounds)
+            elif what == "draft" and self.own_drafting:
+                measured.draft = (median(self.own_drafting), rounds)
+            elif isinstance(what, int) and what in recent:
+                measured.verify[what] = (recent[what], rounds)
+        self.unsaved = {}
+        return measured
 
     # -- estimates ---------------------------------------------------------
 
@@ -217,6 +268,11 @@ class RoundCosts:
         host = self.host_seconds()
         measured = self.measured()
         plain = verify[0] + host  # as the drafted rounds price a plain one
+        stored = self._stored_plain(measured)
+        if stored is not None:  # as an earlier run measured it
+            plain = stored
+            if measured:  # a plain round does less than a drafted one
+                plain = min(plain, measured[min(measured)] + host)
         if self.plain:
             # Until a full window of plain rounds is measured (perhaps under
             # another load than the drafted ones, and not again while
@@ -225,6 +281,16 @@ class RoundCosts:
             plain = self._measured_plain(measured, median(votes))
         draft = self.draft_seconds()
         return [plain] + [draft + v + host for v in verify[1:]]
+
+    def _stored_plain(self, measured: dict[int, float]) -> float | None:
+        """The plain round's cost an earlier run wrote into the profile,
+        scaled like the verifies (None without one)."""
+        meta = {} if self.profile is None else self.profile.meta
+        stored = meta.get("plain_seconds")
+        if not stored:
+            return None
+        known, logs = self._log_ratios(measured)
+        return float(stored) * math.exp(float(np.interp(1, known, logs)))
 
     def optimistic(self, cap: int) -> list[float]:
         """:meth:`costs` with the rounds not measured (lately) whose price

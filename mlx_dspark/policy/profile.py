@@ -12,6 +12,36 @@ verifying the whole block): :func:`contradiction` says so, and such a profile
 is measured again, cached or fresh; the two measurements are combined size by
 size (the faster; other load only ever adds time). One that still
 contradicts itself is kept, marked, and not measured again.
+
+What a run measures is written back (:func:`save_measured`: the default
+policy when a generation ends, the server when a request finishes), so that
+the next process starts from it rather than from the first measurement:
+
+* what is merged: the verify cost of each query length the profile holds,
+  the drafter's own drafting pass, and a plain round (the loop's pipelined
+  step, kept as ``meta["plain_seconds"]``), each as the median of its recent
+  measurements in the run;
+* the rule: a cost measured in fewer than ``LEAST_ROUNDS`` rounds of a run
+  counts as not measured. A query length the run did not measure moves as
+  the run priced it (:mod:`~mlx_dspark.policy.costs`): by the measured-to-
+  stored ratio interpolated in log space between the nearest measured
+  lengths, weighing the fewer rounds of those, so a profile wrong by a factor
+  is corrected everywhere and keeps its shape. Each cost is blended in log
+  space, the stored one weighing ``PROFILE_WEIGHT`` rounds plus the rounds
+  runs merged into it before (at most ``MOST_WEIGHT``, so the profile keeps
+  following the machine), the run its rounds (at most ``RUN_WEIGHT``), and
+  the run's cost counts as at most ``RUN_FACTOR`` times off the stored one. So
+  a few noisy rounds move a cost little, one run at most two thirds of the
+  way (in log space), and runs that agree take over;
+* what is never written: a profile that is absent (nothing measured it, or
+  the caller chose none), unreadable or corrupt (left for :func:`get_profile`
+  to measure again), keyed for another pair or machine, marked read-only
+  (no write permission bit), or one that contradicts itself and was not
+  measured again (:func:`trusted`); nor a merge that would contradict itself
+  when the stored profile did not. The file is replaced by renaming a whole
+  one over it (:func:`~mlx_dspark.utils.write_text_atomic`); a failed write
+  leaves it as it was. ``refresh`` measures the profile anew and forgets what
+  runs merged into it.
 """
 
 from __future__ import annotations
@@ -19,6 +49,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
+import os
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -35,6 +68,7 @@ from ..proposers.copying import Drafter, own_proposer
 from ..sampling.processing import SamplingParams
 from ..targets.adapter import TargetAdapter
 from ..utils import cache_dir, write_text_atomic
+from .costs import MeasuredCosts
 from .scheduler import StepRateCurve
 
 PROFILE_VERSION = 2
@@ -43,6 +77,12 @@ DEFAULT_CONTEXTS = (64, 256)
 # kernels at some sizes, so a longer one may come out a little faster, not
 # this many times faster.
 LONGER_FASTER = 1.5
+# Writing a run's measurements back (see the module's notes).
+LEAST_ROUNDS = 3
+PROFILE_WEIGHT = 8
+MOST_WEIGHT = 64
+RUN_WEIGHT = 16
+RUN_FACTOR = 4.0
 
 
 def _digest(parts: list) -> str:
@@ -321,3 +361,115 @@ def get_profile(
             path,
         )
     return curve
+
+
+def _blend(stored: float, merged: int, measured: float, rounds: int) -> float:
+    """A stored cost (``merged``: rounds runs merged into it before) and a
+    run's (measured in ``rounds`` rounds) blended by the module's rule."""
+    weight = min(PROFILE_WEIGHT + merged, MOST_WEIGHT)
+    share = min(rounds, RUN_WEIGHT)
+    measured = min(max(measured, stored / RUN_FACTOR), stored * RUN_FACTOR)
+    logs = weight * math.log(stored) + share * math.log(measured)
+    return math.exp(logs / (weight + share))
+
+
+def merge_measured(curve: StepRateCurve, measured: MeasuredCosts) -> StepRateCurve:
+    """``curve`` with a run's measurements blended in (the module's rule);
+    ``meta["merged"]`` counts the rounds merged into each cost so far (by
+    query length, ``"draft"`` and ``"plain"``) and ``meta["runs"]`` the runs."""
+    meta = json.loads(json.dumps(curve.meta))  # a deep copy
+    merged = {str(k): int(v) for k, v in meta.get("merged", {}).items()}
+    rates = zip(curve.batch_sizes, curve.steps_per_second, strict=True)
+    stored = {b: 1.0 / r for b, r in rates}
+    seconds = dict(stored)
+    bound = math.log(RUN_FACTOR)
+
+    def counts(value: float, rounds: int) -> bool:
+        return rounds >= LEAST_ROUNDS and math.isfinite(value) and value > 0
+
+    def log_ratio(value: float, old: float) -> float:
+        return min(max(math.log(value / old), -bound), bound)
+
+    runs = {
+        q: (value, rounds)
+        for q, (value, rounds) in measured.verify.items()
+        if q in stored and counts(value, rounds)
+    }
+    if runs:
+        # The lengths not measured move as the run priced them: by the
+        # measured ratio interpolated (in log space) between the nearest
+        # measured lengths, weighing the fewer rounds of those two.
+        known = sorted(runs)
+        logs = [log_ratio(runs[q][0], stored[q]) for q in known]
+        for b, old in stored.items():
+            if b in runs:
+                rounds = runs[b][1]
+            else:
+                below = [q for q in known if q < b][-1:]
+                above = [q for q in known if q > b][:1]
+                rounds = min(runs[q][1] for q in below + above)
+            value = old * math.exp(float(np.interp(b, known, logs)))
+            seconds[b] = _blend(old, merged.get(str(b), 0), value, rounds)
+        for q, (_, rounds) in runs.items():
+            merged[str(q)] = merged.get(str(q), 0) + rounds
+    draft = curve.draft_seconds
+    if measured.draft is not None and draft > 0 and counts(*measured.draft):
+        draft = _blend(draft, merged.get("draft", 0), *measured.draft)
+        merged["draft"] = merged.get("draft", 0) + measured.draft[1]
+    if measured.plain is not None and counts(*measured.plain):
+        plain = float(meta.get("plain_seconds") or stored[min(stored)])
+        meta["plain_seconds"] = _blend(plain, merged.get("plain", 0), *measured.plain)
+        merged["plain"] = merged.get("plain", 0) + measured.plain[1]
+    if merged != meta.get("merged", {}):
+        meta["merged"] = merged
+        meta["runs"] = int(meta.get("runs", 0)) + 1
+    return StepRateCurve.from_measurements(seconds, draft, meta)
+
+
+def _writable(path: Path) -> bool:
+    """Whether the file may be replaced: it has a write permission bit (also
+    for root, who may write anything) and this process may write it."""
+    mode = path.stat().st_mode
+    return bool(mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH)) and os.access(
+        path, os.W_OK
+    )
+
+
+def save_measured(key: dict, measured: MeasuredCosts) -> bool:
+    """Merge a run's measurements into the cached profile ``key`` names (see
+    the module's notes for the rule and what is never written); whether it
+    was written. Never raises: a profile that cannot be written stays as it
+    is, and the run that measured it is unaffected."""
+    logger = logging.getLogger("mlx_dspark")
+    path = profile_path(key)
+    try:
+        if not measured or not path.is_file() or not _writable(path):
+            return False
+        try:
+            stored = StepRateCurve.load(path)
+        except DSparkError:
+            return False  # get_profile measures it again
+        if stored.meta.get("key") != key or not trusted(stored):
+            return False
+        merged = merge_measured(stored, measured)
+        if merged.meta.get("runs") == stored.meta.get("runs"):
+            return False  # nothing measured often enough
+        reason = contradiction(merged)
+        if reason is not None and "remeasured" not in stored.meta:
+            logger.debug(
+                "Not writing the run's costs into %s: they would contradict "
+                "each other (%s).",
+                path,
+                reason,
+            )
+            return False
+        if reason is None:
+            merged.meta.pop("contradiction", None)
+        else:
+            merged.meta["contradiction"] = reason
+        write_text_atomic(path, merged.to_json())
+    except Exception as error:  # noqa: BLE001 - never stops a generation
+        logger.debug("Could not write the run's costs into %s: %s", path, error)
+        return False
+    logger.debug("Wrote the run's measured costs into %s.", path)
+    return True

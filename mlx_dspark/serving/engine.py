@@ -32,6 +32,7 @@ import numpy as np
 from ..decoding.loop import RoundStats, first_token
 from ..decoding.modes import settle_chain
 from ..decoding.verify import Randomness
+from ..policy.costs import MeasuredCosts
 from ..policy.memory import MemoryGuard
 from ..policy.policies import SchedulerPolicy, telemetry_for
 from ..policy.scheduler import SchedulerSettings, StepRateCurve
@@ -181,24 +182,55 @@ class StepCost:
     non-decreasing one (weighted by how often each size was measured): noise
     must not make extra drafts look free. ``draft_seconds`` is the measured
     drafting time of a step.
+
+    Steps of one request are what the cached profile measured (one request's
+    forward over its query tokens, one drafting pass): their recent times are
+    kept apart for :meth:`take_measured`, which the engine merges into the
+    profile (:func:`~mlx_dspark.policy.profile.save_measured`).
     """
 
-    def __init__(self, prior: StepRateCurve | None = None, alpha: float = 0.3):
+    def __init__(
+        self, prior: StepRateCurve | None = None, alpha: float = 0.3, window: int = 5
+    ):
         self.prior = prior
         self.alpha = alpha
         self.seconds: dict[int, float] = {}
         self.counts: dict[int, int] = {}
         self.draft_seconds = 0.0 if prior is None else prior.draft_seconds
+        self.alone: dict[int | str, deque] = {}  # one request: recent seconds
+        self.unsaved: dict[int | str, int] = {}  # steps since take_measured
+        self.window = window
 
     def _average(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.alpha) * old + self.alpha * new
 
-    def record_verify(self, tokens: int, seconds: float) -> None:
+    def _alone(self, what: int | str, seconds: float) -> None:
+        self.alone.setdefault(what, deque(maxlen=self.window)).append(seconds)
+        self.unsaved[what] = self.unsaved.get(what, 0) + 1
+
+    def record_verify(self, tokens: int, seconds: float, requests: int = 1) -> None:
         self.seconds[tokens] = self._average(self.seconds.get(tokens), seconds)
         self.counts[tokens] = self.counts.get(tokens, 0) + 1
+        if requests == 1:
+            self._alone(tokens, seconds)
 
-    def record_draft(self, seconds: float) -> None:
+    def record_draft(self, seconds: float, requests: int = 1) -> None:
         self.draft_seconds = self._average(self.draft_seconds or None, seconds)
+        if requests == 1:
+            self._alone("draft", seconds)
+
+    def take_measured(self) -> MeasuredCosts:
+        """The steps of one request measured since the last call (the median
+        of each size's recent times, and how many), and start counting again."""
+        measured = MeasuredCosts()
+        for what, steps in self.unsaved.items():
+            value = (float(np.median(self.alone[what])), steps)
+            if what == "draft":
+                measured.draft = value
+            else:
+                measured.verify[int(what)] = value
+        self.unsaved = {}
+        return measured
 
     def curve(self) -> StepRateCurve:
         points = dict(self.seconds)
@@ -331,7 +363,11 @@ class EngineConfig:
     ``sampling``: the sampled requests' rule, ``"coupled"`` or
     ``"residual"`` (:mod:`~mlx_dspark.sampling.coupled`); None: coupled for a request
     with a seed (its tokens are then ``mlx_lm.generate``'s with that seed),
-    else :data:`~mlx_dspark.sampling.coupled.UNSEEDED_SAMPLING`."""
+    else :data:`~mlx_dspark.sampling.coupled.UNSEEDED_SAMPLING`.
+    ``prior``: the cached cost profile the engine starts from (None: none);
+    what the engine measures is merged back into it when a request finishes,
+    at most once every ``save_costs_every`` seconds
+    (:func:`~mlx_dspark.policy.profile.save_measured`)."""
 
     num_draft: int | None = None
     max_batch: int = 8
@@ -344,6 +380,7 @@ class EngineConfig:
     prompt_cache_size: int = 10
     prompt_cache_bytes: int | None = None
     sampling: str | None = None
+    save_costs_every: float = 30.0
 
 
 def _empty_proposal() -> Proposal:
@@ -434,6 +471,7 @@ class BatchEngine:
         if self.n_max > 0:
             guard = MemoryGuard.from_settings(settings, self.n_max, memory_source)
         self.cost = StepCost(self.config.prior)
+        self._costs_saved_at: float | None = None
         self.gate = DraftGate() if self.config.adaptive else None
         self.policy = SchedulerPolicy(
             None if found is None else found[0],
@@ -701,7 +739,7 @@ class BatchEngine:
         mx.eval([a for a in lazy if a is not None])
         drafted = time.perf_counter()
         if any(caps):
-            self.cost.record_draft(drafted - tic)
+            self.cost.record_draft(drafted - tic, sum(c > 0 for c in caps))
             self.policy.curve = self.cost.curve()
         lengths = self.policy.draft_lengths(proposals, caps)
         drafts = [
@@ -717,7 +755,9 @@ class BatchEngine:
             outputs = self.target.forward_batch(chains, [s.cache for s in slots])
         mx.eval([a for out in outputs for a in out if a is not None])
         verified = time.perf_counter()
-        self.cost.record_verify(sum(len(c) for c in chains), verified - drafted)
+        self.cost.record_verify(
+            sum(len(c) for c in chains), verified - drafted, len(slots)
+        )
         self.stats.target_forwards += 1
         self.stats.request_rounds += len(slots)
         self.stats.max_batch = max(self.stats.max_batch, len(slots))
@@ -907,6 +947,24 @@ class BatchEngine:
             },
         }
 
+    def _save_costs(self) -> bool:
+        """Merge what the engine measured into the cached profile it started
+        from, at most once every ``save_costs_every`` seconds; whether it was
+        written. A profile that is not the cache's (no ``meta["key"]``) or
+        none is never written."""
+        from ..policy.profile import save_measured
+
+        prior = self.config.prior
+        key = None if prior is None else prior.meta.get("key")
+        now = time.monotonic()
+        last = self._costs_saved_at
+        if key is None or (
+            last is not None and now - last < self.config.save_costs_every
+        ):
+            return False
+        self._costs_saved_at = now
+        return save_measured(key, self.cost.take_measured())
+
     def _finish(self, slot: _Slot, reason: str, error: str | None = None) -> None:
         if slot.done:
             return
@@ -921,6 +979,8 @@ class BatchEngine:
         else:
             self.stats.finished += 1
         usage = self.usage(slot)
+        if reason in ("stop", "length"):
+            self._save_costs()
         if self.prompt_cache is not None and reason in ("stop", "length"):
             self._remember(slot)
         if isinstance(slot.cache, BatchRow):
