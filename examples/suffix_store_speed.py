@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import sys
 import sysconfig
 import tempfile
@@ -36,22 +35,12 @@ from pathlib import Path
 
 import numpy as np
 
+from mlx_dspark.proposers import suffix_store as ss
+
 DEFAULT_TOKENIZER = (
     Path.home() / ".cache/mlx_dspark/smollm2-135m-instruct-f32/tokenizer.json"
 )
 PHRASES = Path(__file__).parents[1] / "mlx_dspark/assets/default_drafter/phrases.npy"
-
-
-def _suffix_store():
-    try:
-        return importlib.import_module("mlx_dspark.proposers.suffix_store")
-    except ImportError:  # mlx_dspark/proposers.py still shadows the folder
-        path = Path(__file__).parents[1] / "mlx_dspark/proposers/suffix_store.py"
-        spec = importlib.util.spec_from_file_location("suffix_store", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        return module
 
 
 def stdlib_files() -> list[Path]:
@@ -152,7 +141,6 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=400)
     parser.add_argument("--arctic", help="folder holding ArcticInference's _C")
     args = parser.parse_args()
-    ss = _suffix_store()
     name, encode = encoder(args.tokenizer)
     files = stdlib_files()
     print(f"tokens: {name}; {len(files)} stdlib files")

@@ -5,38 +5,15 @@ branching continuations are common."""
 from __future__ import annotations
 
 import heapq
-import importlib
-import importlib.util
 import math
 import random
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from mlx_dspark.errors import DSparkError
-from mlx_dspark.lookup import PhraseStore
-
-
-def _load_module():
-    """The module, also while ``mlx_dspark/proposers.py`` still shadows the
-    ``mlx_dspark/proposers/`` folder (before the layout move)."""
-    try:
-        return importlib.import_module("mlx_dspark.proposers.suffix_store")
-    except ImportError:
-        path = (
-            Path(__file__).parents[1] / "mlx_dspark" / "proposers" / "suffix_store.py"
-        )
-        spec = importlib.util.spec_from_file_location("_suffix_store_under_test", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        return module
-
-
-ss = _load_module()
-
+from mlx_dspark.proposers import suffix_store as ss
+from mlx_dspark.proposers.lookup import PhraseStore
 
 # ------------------------------------------------------------ the reference
 

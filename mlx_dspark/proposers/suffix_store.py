@@ -42,8 +42,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mlx_dspark.errors import DSparkError
-from mlx_dspark.utils import write_atomic
+from ..errors import DSparkError
+from ..utils import write_atomic
 
 _SEPARATOR = -1
 _FORMAT = "mlx-dspark suffix store"
