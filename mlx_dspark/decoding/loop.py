@@ -179,14 +179,16 @@ def prefill(
 
     Only the last position goes through the LM head: no other prompt
     position's logits are used, and on SmolLM2 the head is a fifth of a
-    prompt token's cost.
+    prompt token's cost. The features are None when the target taps none
+    (a proposer that reads no features).
     """
     features = []
     for begin in range(0, prompt.size, step):
         hidden, feats = target.hidden(prompt[None, begin : begin + step], cache)
         mx.eval(hidden[:, -1], feats)
         features.append(feats)
-    return target.lm_head(hidden[:, -1:])[0, -1], mx.concatenate(features, axis=1)
+    context = joined(features) if features[0] is not None else None
+    return target.lm_head(hidden[:, -1:])[0, -1], context
 
 
 def plain_step(

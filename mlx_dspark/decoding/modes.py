@@ -30,6 +30,13 @@ with the highest score:
 Expansion is lazy: a node is expanded (batched with every other selected,
 unexpanded node) only once its children could outscore the best frontier move.
 
+**Explicit trees.** A proposer may give the tree itself
+(``propose_tree``: the suffix store's trees, each node drawn from a point
+mass on its token) instead of per-position rows; it is verified the same way,
+except that each child is tried against its own row (its token's law given
+its earlier siblings: here a point mass, so rejecting child ``c`` leaves the
+target's distribution without ``c``), not against a shared row.
+
 **Verification.** One target forward over ``[anchor, nodes...]`` with
 per-node positions and an ancestor mask (:meth:`TargetAdapter.tree_forward`).
 Greedy keeps the longest root path whose tokens equal the target's argmax at
@@ -55,7 +62,9 @@ or, with no children left, a direct draw from ``p_{i+1}``. So each committed
 token is an exact sample of the target's processed distribution given the
 committed path, and by induction on depth so is the whole sequence. Drawing
 siblings without replacement but keeping ``q`` fixed breaks the lemma's
-premise ``x_i ~ q_i``; the test suite checks that this variant is caught.
+premise ``x_i ~ q_i``; the test suite checks that this variant is caught. For
+an explicit tree ``q_i`` is child ``i``'s own row, which is the law of ``x_i``
+given the earlier draws by the proposer's contract, so the same argument holds.
 """
 
 from __future__ import annotations
@@ -291,7 +300,19 @@ class TreeMode:
         any tree keeps the output exact, coupled verification commits the
         target's own tokens. The proposer must give per-position rows
         (``tree_source``, as :class:`~mlx_dspark.proposers.dspark.DrafterProposer`
-        does)."""
+        does), or explicit trees: ``propose_tree(state, round, budget)``
+        returning a tree of at most ``budget`` nodes, depth at most
+        ``round.cap``, with ``extra['explicit']`` (each node's row is the
+        law of its token given its earlier siblings' tokens, a point mass
+        for a deterministic tree; see :meth:`verify`), or None to draw the
+        round's tree from ``tree_source``."""
+        explicit = getattr(proposer, "propose_tree", None)
+        if explicit is not None:
+            proposal = explicit(state, round, self.budget)
+            if proposal is not None:
+                logits = () if round.params.greedy else (proposal.logits,)
+                mx.eval(proposal.tokens, *logits)
+                return proposal
         drafter, hidden = tree_source(proposer)(state, round)
         key = round.key
         if isinstance(key, list):
@@ -366,15 +387,25 @@ class TreeMode:
                 logits[0], tokens, children, params, rng
             )
         else:
+            own_rows = bool(proposal.extra.get("explicit", False))
             path, next_token = self._walk_sampled(
-                logits[0], proposal.logits[0], keep, tokens, children, params, rng
+                logits[0],
+                proposal.logits[0],
+                keep,
+                tokens,
+                children,
+                params,
+                rng,
+                own_rows,
             )
         target.commit_path(cache, start, path)
         self.rounds.append(
             TreeRound(len(keep) - 1, max(depths[i] for i in keep), len(path) - 1, path)
         )
         accepted = [tokens[i] for i in path[1:]]
-        return Verdict(len(accepted), next_token), accepted, features[:, mx.array(path)]
+        if features is not None:
+            features = features[:, mx.array(path)]
+        return Verdict(len(accepted), next_token), accepted, features
 
     @staticmethod
     def _walk_greedy(
@@ -419,7 +450,15 @@ class TreeMode:
         children: list[list[int]],
         params: SamplingParams,
         rng: np.random.Generator,
+        own_rows: bool = False,
     ) -> tuple[list[int], int]:
+        """Recursive rejection over each node's children in order. A drawn
+        tree's children were drawn without replacement from one row (their
+        first's): after a rejection the next child's law is that row without
+        the rejected tokens. ``own_rows`` (an explicit tree): each child's
+        own row is already its token's law given the earlier siblings (a
+        point mass for a deterministic tree, so a rejected child ``c`` leaves
+        the target's distribution without ``c``)."""
         path, u = [0], 0
         while True:
             p = probabilities(logits[u], params)
@@ -430,6 +469,8 @@ class TreeMode:
             row = draft_logits[keep[children[u][0]] - 1]
             q = normalised(row)
             for c in children[u]:
+                if own_rows:
+                    q = normalised(draft_logits[keep[c] - 1])
                 accepted, p, q = self.rejection_step(p, q, tokens[c], rng)
                 if accepted:
                     u = c

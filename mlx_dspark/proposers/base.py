@@ -222,7 +222,8 @@ class Backlog:
 
 def joined(features: list[mx.array]) -> mx.array | None:
     """Feature chunks ``[1, m_i, D]`` of consecutive positions as one array
-    (None for none)."""
+    (None for none: a target that taps no features gives None chunks)."""
+    features = [f for f in features if f is not None]
     if not features:
         return None
     return features[0] if len(features) == 1 else mx.concatenate(features, 1)
