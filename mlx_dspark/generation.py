@@ -15,11 +15,12 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .decoding.loop import GenerationStats, speculative_generate_step
 from .errors import DSparkError
-from .policy.policies import resolve_policy
+from .policy.policies import ResolvedPolicy, resolve_policy, resolve_suffix_policy
 from .policy.settings import SpeculationSettings, build_settings
 from .policy.telemetry import Telemetry
-from .proposers.base import tree_source
+from .proposers.base import Proposer, tree_source
 from .proposers.copying import Drafter, own_proposer, pair_proposer
+from .proposers.suffix import SUFFIX_MAX_DRAFT, SuffixProposer
 from .sampling.coupled import own_keys, resolve_sampling
 from .sampling.processing import SamplingParams
 from .targets.adapter import TargetAdapter
@@ -97,6 +98,7 @@ def stream_generate(
     profile_progress: Callable[[int, int], None] | None = None,
     settings: SpeculationSettings | None = None,
     sampling: str | None = None,
+    suffix: bool = False,
 ) -> Generator[DSparkResponse, None, None]:
     """Like ``mlx_lm.stream_generate``; ``drafter=None`` decodes with the target alone.
 
@@ -114,6 +116,14 @@ def stream_generate(
     setup :func:`~mlx_dspark.policy.settings.build_settings` already decided from
     these arguments (then leave them out). Responses carry ``stats``,
     ``telemetry`` and ``settings`` (with its ``notes`` for the user).
+
+    ``suffix=True`` with ``drafter=None`` drafts with no drafter, from what
+    the target has written (the prompt and the output so far,
+    :mod:`~mlx_dspark.proposers.suffix`); each round offered a suffix draft
+    verifies as much of it as the policy's measured acceptance and costs
+    say pays (``num_draft``, at most 16, bounds it); rounds without one are
+    plain target steps. Combining suffix drafts with a drafter is not
+    available yet.
 
     ``tree_budget`` > 0 drafts a tree of that many nodes per round instead of
     a chain (``num_draft`` then bounds its depth); 0 drafts a chain.
@@ -149,7 +159,12 @@ def stream_generate(
     sampling = resolve_sampling(sampling, seed)
 
     stats = telemetry = None
-    if drafter is None:
+    if drafter is not None and suffix:
+        raise DSparkError(
+            "Suffix drafts cannot be combined with a drafter yet: pass "
+            "drafter=None for suffix drafts, or suffix=False."
+        )
+    if drafter is None and not suffix:
         tokens = _target_only_tokens(model, prompt, params, max_tokens, seed)
     else:
         given = {
@@ -160,17 +175,19 @@ def stream_generate(
             "tree_budget": tree_budget or None,
         }
         given = {name: value for name, value in given.items() if value is not None}
+        block_size = SUFFIX_MAX_DRAFT if drafter is None else drafter.block_size
         if settings is None:
-            settings = build_settings(drafter.block_size, **given)
+            settings = build_settings(block_size, **given)
         elif given:
             raise DSparkError(
                 f"Pass settings or {next(iter(given))}, not both: settings "
                 "already hold every DSpark argument."
             )
-        # Profiling and calibration draw no key mlx-lm's sampler would use.
-        with own_keys():
-            resolved = resolve_policy(
-                model, drafter, settings, progress=profile_progress
+        if drafter is None:
+            resolved, target, proposer = _suffix_setup(model, settings)
+        else:
+            resolved, target, proposer = _drafter_setup(
+                model, drafter, settings, profile_progress
             )
         telemetry = resolved.policy.telemetry
         telemetry.policy, telemetry.note = resolved.mode, resolved.note
@@ -179,14 +196,10 @@ def stream_generate(
         if resolved.note:
             logger.info(resolved.note)
         stats = GenerationStats()
-        target = TargetAdapter(model, drafter.config.target_layer_ids)
-        if settings.tree_budget:
-            target.check_tree()
-            tree_source(own_proposer(drafter))  # or: it proposes chains only
         tokens = speculative_generate_step(
             prompt,
             target,
-            pair_proposer(drafter, settings.copy_draft, settings.copy_as_is),
+            proposer,
             params=params,
             num_draft=settings.num_draft,
             max_tokens=max_tokens,
@@ -245,6 +258,58 @@ def stream_generate(
     finally:
         if save_costs is not None:
             save_costs()
+
+
+def _drafter_setup(
+    model: nn.Module,
+    drafter: Drafter,
+    settings: SpeculationSettings,
+    progress: Callable[[int, int], None] | None,
+) -> tuple[ResolvedPolicy, TargetAdapter, Proposer]:
+    """The policy, target adapter and proposer of a drafter's pair."""
+    # Profiling and calibration draw no key mlx-lm's sampler would use.
+    with own_keys():
+        resolved = resolve_policy(model, drafter, settings, progress=progress)
+    target = TargetAdapter(model, drafter.config.target_layer_ids)
+    if settings.tree_budget:
+        target.check_tree()
+        tree_source(own_proposer(drafter))  # or: it proposes chains only
+    proposer = pair_proposer(drafter, settings.copy_draft, settings.copy_as_is)
+    return resolved, target, proposer
+
+
+def _suffix_setup(
+    model: nn.Module, settings: SpeculationSettings
+) -> tuple[ResolvedPolicy, TargetAdapter, Proposer]:
+    """The policy, target adapter (no feature taps) and proposer of suffix
+    drafts with no drafter."""
+    resolved = resolve_suffix_policy(settings)
+    target = TargetAdapter(model)
+    tree = settings.tree_budget > 0
+    if tree:
+        target.check_tree()
+    proposer = SuffixProposer(
+        target.vocab_size,
+        tree=tree,
+        tree_budget=settings.tree_budget or SUFFIX_MAX_DRAFT,
+    )
+    return resolved, target, proposer
+
+
+def suffix_stats(stats: GenerationStats | None) -> str | None:
+    """One line on the rounds that verified a suffix draft (rounds offered a
+    copy that drafted): how many, and how much of what they verified was
+    kept. None when the generation has no round statistics."""
+    if stats is None or not stats.rounds:
+        return None
+    rounds = [r for r in stats.rounds if r.copy_offered and r.drafted > 0]
+    verified = sum(r.verified for r in rounds)
+    accepted = sum(r.accepted for r in rounds)
+    rate = accepted / verified if verified else 0.0
+    return (
+        f"Suffix drafts: {len(rounds)} of {len(stats.rounds)} rounds, "
+        f"{accepted} of {verified} drafted tokens accepted ({rate:.0%})"
+    )
 
 
 _POLICY_NAMES = {
@@ -361,4 +426,6 @@ def generate(
         print()
         print("=" * 10)
         print("\n".join(format_stats(response)))
+        if kwargs.get("suffix"):
+            print(suffix_stats(response.stats))
     return text

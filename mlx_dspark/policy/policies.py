@@ -25,6 +25,7 @@ import numpy as np
 from ..decoding.loop import DraftPolicy, RoundStats
 from ..decoding.modes import settle_chain
 from ..decoding.verify import Verdict
+from ..errors import DSparkError
 from ..proposers.base import Proposal
 from ..proposers.copying import copies
 from ..sampling.processing import SamplingParams
@@ -247,3 +248,30 @@ def resolve_policy(
     policy = SchedulerPolicy(calibration, telemetry, curve, knobs, guard)
     used = cached_profile_path(model, drafter)
     return ResolvedPolicy(policy, "auto", note, cal_path, used)
+
+
+def resolve_suffix_policy(
+    settings: SpeculationSettings, memory_source=None
+) -> ResolvedPolicy:
+    """The draft policy of suffix drafts with no drafter (see
+    :mod:`~mlx_dspark.proposers.suffix`): ``adaptive`` prices rounds from what
+    this generation measures (no cost profile, no calibration: there is no
+    drafter to key them by), and measures the rounds offered a suffix draft
+    as their own kind (copies); ``off`` verifies ``settings.num_draft`` drafts
+    whenever there is a draft. Suffix drafts have no confidences, so the
+    threshold and the calibrated scheduler are refused in one sentence."""
+    from ..decoding.loop import ThresholdPolicy
+
+    knobs = settings.scheduler
+    if settings.policy == "adaptive":
+        from .adaptive import AdaptivePolicy
+
+        guard = MemoryGuard.from_settings(knobs, settings.num_draft, memory_source)
+        return ResolvedPolicy(AdaptivePolicy(guard=guard), "adaptive")
+    if settings.policy == "off":
+        policy = MonitoredPolicy(None, Telemetry(), ThresholdPolicy(0.0))
+        return ResolvedPolicy(policy, "off")
+    raise DSparkError(
+        f"Suffix drafts have no confidences to schedule by: use the adaptive "
+        f"or off scheduler, not {settings.policy}."
+    )

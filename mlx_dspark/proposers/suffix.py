@@ -1,0 +1,157 @@
+"""Suffix drafts: a proposer that needs no drafter.
+
+:class:`SuffixProposer` drafts from what the target has written
+(:mod:`~mlx_dspark.proposers.suffix_store`): the request's own index over the
+prompt and the output so far, and optionally a global
+:class:`~mlx_dspark.proposers.suffix_store.SuffixStore` shared with other
+requests. Before each round its :meth:`~SuffixProposer.offer` brings the
+request's index up to date with the committed tokens and offers the draft the
+index finds, as a copy (``Offer(copy=True)``: the draft policy measures these
+rounds' acceptance on their own); with no draft it offers a plain round (an
+offer whose cap is 0). A round given a cap verifies the draft's first ``cap``
+tokens, each drawn from a point mass on its token
+(:func:`~mlx_dspark.proposers.copying.copied_proposal`): greedy keeps the draft as
+far as the target agrees, and sampled rounds stay exact samples (a point-mass
+draft ``x`` is kept with the target's probability of ``x``, and on rejection
+the token is drawn from the target's distribution without ``x``).
+
+With ``tree=True`` the store's best-first tree is offered instead, and
+:meth:`~SuffixProposer.propose_tree` returns it as an explicit tree (each node's
+row a point mass on its own token) that
+:class:`~mlx_dspark.decoding.modes.TreeMode` verifies as it is. The proposer
+never reads the target's features.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from .base import Offer, Proposal, Round, point_mass
+from .copying import copied_proposal
+from .suffix_store import SuffixConfig, SuffixDraft, SuffixRequest, SuffixStore
+
+# Drafts a suffix round may verify at most (the default SuffixConfig's).
+SUFFIX_MAX_DRAFT = SuffixConfig().max_draft
+
+
+@dataclass
+class SuffixState:
+    """One generation's suffix index: the request (made at the first offer)
+    and how many committed tokens it holds."""
+
+    request: SuffixRequest | None = None
+    seen: int = 0
+
+    def sync(
+        self, tokens: list[int], store: SuffixStore | None, config: SuffixConfig
+    ) -> SuffixRequest:
+        """The request's index holding every committed token of ``tokens``:
+        at the first call the prompt is all but the last token (the loop asks
+        for offers once the first token is generated), later calls append
+        only what is new."""
+        if self.request is None:
+            self.request = SuffixRequest(tokens[:-1], store, config)
+            self.seen = len(tokens) - 1
+        if len(tokens) > self.seen:
+            self.request.extend(tokens[self.seen :])
+            self.seen = len(tokens)
+        return self.request
+
+
+def depths(parents: np.ndarray) -> np.ndarray:
+    """The depth (1 for a child of the root) of each node of a draft tree
+    whose parents come before their children (-1: the root)."""
+    out = np.zeros(parents.size, np.int64)
+    for i, p in enumerate(parents.tolist()):
+        out[i] = 1 if p < 0 else out[p] + 1
+    return out
+
+
+def tree_proposal(draft: SuffixDraft, cap: int, vocab_size: int) -> Proposal:
+    """The nodes of ``draft`` at depth ``<= cap`` as an explicit tree: tokens
+    ``[1, N]``, each node's row a point mass on its own token, and
+    ``extra['parents']`` in :class:`~mlx_dspark.decoding.modes.TreeMode`'s
+    numbering (0 is the anchor, proposal node ``i`` is node ``i + 1``).
+    Keeping the shallow nodes keeps the tree closed under ancestors."""
+    keep = np.flatnonzero(depths(draft.parents) <= cap)
+    renumber = {-1: 0, **{int(old): new + 1 for new, old in enumerate(keep)}}
+    parents = [renumber[int(draft.parents[i])] for i in keep]
+    tokens = mx.array(draft.tokens[keep][None].astype(np.int32))
+    rows = point_mass(tokens, vocab_size, mx.float32)
+    return Proposal(tokens, rows, None, {"parents": parents, "explicit": True})
+
+
+@dataclass
+class SuffixProposer:
+    """Suffix drafts (see the module), chains or (``tree``) trees.
+
+    ``vocab_size``: the target's logits' width (the point-mass rows').
+    ``config``: how drafts are found and how long they may be. ``store``: a
+    global store shared with other requests (None: the request's own index
+    only); a generation's output goes into it live, as a document that
+    :meth:`close` finishes. ``tree_budget``: the most nodes of an offered
+    tree (TreeMode passes its own budget to :meth:`propose_tree`).
+    """
+
+    vocab_size: int
+    config: SuffixConfig = field(default_factory=SuffixConfig)
+    store: SuffixStore | None = None
+    tree: bool = False
+    tree_budget: int = SUFFIX_MAX_DRAFT
+
+    def make_state(self) -> SuffixState:
+        return SuffixState()
+
+    def offer(self, state: SuffixState, tokens: list[int], longest: int) -> list[Offer]:
+        """The suffix draft of the committed ``tokens`` as a copy, at most
+        ``longest`` deep; a plain round when there is none."""
+        request = state.sync(tokens, self.store, self.config)
+        size = self.tree_budget if self.tree else min(longest, self.config.max_draft)
+        draft = request.propose(tree=self.tree, max_tokens=max(0, size))
+        if len(draft) == 0 or longest <= 0:
+            return [Offer(0)]
+        deepest = int(depths(draft.parents).max())
+        return [Offer(min(longest, deepest), copy=True, payload=draft)]
+
+    def propose(self, state: SuffixState, round: Round) -> Proposal:
+        """The offered draft's first ``round.cap`` tokens, as point masses (a
+        tree's deepest root path when a chain is asked for)."""
+        draft: SuffixDraft = round.offer.payload
+        tokens = chain_of(draft)[: round.cap]
+        return copied_proposal(mx.array(tokens[None]), self.vocab_size)
+
+    def propose_tree(self, state: SuffixState, round: Round, budget: int) -> Proposal:
+        """The offered tree's first ``budget`` nodes at depth ``<= round.cap``,
+        as an explicit tree (see :func:`tree_proposal`)."""
+        draft: SuffixDraft = round.offer.payload
+        if len(draft) > budget:
+            draft = SuffixDraft(
+                draft.tokens[:budget],
+                draft.parents[:budget],
+                draft.probs[:budget],
+                draft.match_length,
+                draft.source,
+            )
+        return tree_proposal(draft, round.cap, self.vocab_size)
+
+    def close(self, state: SuffixState) -> None:
+        """Finish the generation's document in the global store (if any)."""
+        if state.request is not None:
+            state.request.close()
+
+
+def chain_of(draft: SuffixDraft) -> np.ndarray:
+    """A chain's tokens; for a tree, those of its deepest root path (the
+    first of the deepest nodes, which the store ranks best first)."""
+    parents = draft.parents
+    if np.array_equal(parents, np.arange(parents.size) - 1):
+        return draft.tokens
+    node = int(np.argmax(depths(parents)))
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = int(parents[node])
+    return draft.tokens[path[::-1]]
