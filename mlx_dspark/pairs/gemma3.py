@@ -65,6 +65,12 @@ def drafter_dir() -> Path:
     return cache_dir() / DRAFTER_NAME
 
 
+def drafter_installed() -> bool:
+    """Whether a drafter for Gemma-3-270M is shipped or installed (without it
+    the command line runs the pair's target with suffix drafts)."""
+    return (drafter_dir() / "config.json").exists()
+
+
 def assemble_gguf(directory: Path) -> Path:
     """The Gemma-3-270M GGUF assembled (and checksummed) into ``directory``."""
     missing = missing_packages()
