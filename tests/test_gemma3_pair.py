@@ -144,6 +144,28 @@ def test_pair_is_lossless_and_continues_the_prompt(stand_in, capsys):
     assert "Using the built-in pair gemma3-270m." in capsys.readouterr().err
 
 
+def test_without_a_drafter_the_pair_runs_with_suffix_drafts(
+    stand_in, monkeypatch, tmp_path, capsys
+):
+    """With no gemma3-270m drafter installed, --pair gemma3-270m runs the
+    target with suffix drafts; its output is the target's own."""
+    monkeypatch.setattr(gemma3, "drafter_dir", lambda: tmp_path / "no-drafter")
+    common = ["--pair", "gemma3-270m", "--prompt", "def add(a, b):\n  return"]
+    cli_generate.main([*common, "--max-tokens", "12", "--verbose", "false"])
+    captured = capsys.readouterr()
+    assert "No gemma3-270m drafter is installed" in captured.err
+    model, tokenizer, _ = mlx_dspark.load(gemma3.target_dir())
+    prompt = tokenizer.encode("def add(a, b):\n  return")
+    expected = [
+        int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=12)
+    ]
+    eos = set(tokenizer.eos_token_ids)
+    expected = expected[: next((i for i, t in enumerate(expected) if t in eos), 12)]
+    assert captured.out.strip() == tokenizer.decode(expected).strip()
+    cli_generate.main([*common, "--max-tokens", "12"])
+    assert "Suffix drafts: " in capsys.readouterr().out
+
+
 def test_gemma_norm_scale_is_one_plus_weight(tiny_pair):
     from mlx_lm import load
 
