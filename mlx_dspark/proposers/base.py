@@ -45,7 +45,10 @@ proposer between rounds, so a proposer need not hear about the verdict.
 
 Tree rounds (:class:`~mlx_dspark.decoding.modes.TreeMode`) need the per-position
 rows of one backbone pass: a proposer that offers them has ``tree_source``
-(see :class:`~mlx_dspark.proposers.dspark.DrafterProposer`).
+(see :class:`~mlx_dspark.proposers.dspark.DrafterProposer`); or the tree itself:
+a proposer with ``propose_tree(state, round, budget)`` returns one (see
+:meth:`TreeMode.propose <mlx_dspark.decoding.modes.TreeMode.propose>`,
+:class:`~mlx_dspark.proposers.suffix.SuffixProposer`).
 
 A proposer may also have ``offer(state, tokens, longest) -> list[Offer]``:
 what it could propose the coming round before anything is drafted, best
