@@ -127,6 +127,15 @@ def setup_arg_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "--dspark-tree BUDGET verifies them as trees.",
     )
     group.add_argument(
+        "--dspark-suffix-store",
+        default="auto",
+        metavar="WHERE",
+        help="With suffix drafts: auto (the default) drafts also from what "
+        "earlier runs with this tokenizer wrote, kept in the user cache "
+        "(suffix/<tokenizer fingerprint>.npz) and updated at the end; a file "
+        "path: the same with that file; none: from this run's text only.",
+    )
+    group.add_argument(
         "--dspark-sampling",
         default=None,
         metavar="RULE",
@@ -506,6 +515,14 @@ def _run_dspark(args: argparse.Namespace, explicit: set[str]) -> None:
         )
     for note in settings.notes:
         print(note, file=sys.stderr)
+    store = args.dspark_suffix_store
+    if suffix and store != "none":
+        from ..proposers.suffix_files import process_store
+
+        kept = process_store(tokenizer, tokenizer, store)
+        if kept.note:
+            print(kept.note, file=sys.stderr)
+            kept.note = None
     profiling = "Measuring this pair's cost profile (once per machine; cached)"
     with progress_bar(profiling) as profile_progress:
         responses = stream_generate(
@@ -528,6 +545,7 @@ def _run_dspark(args: argparse.Namespace, explicit: set[str]) -> None:
             xtc_special_tokens=_xtc_special_tokens(tokenizer),
             profile_progress=profile_progress,
             suffix=suffix,
+            suffix_store=store,
         )
         text, last = _print_dspark(responses, args.verbose)
     if args.verbose and suffix and text:

@@ -101,9 +101,13 @@ class SuffixProposer:
     store: SuffixStore | None = None
     tree: bool = False
     tree_budget: int = SUFFIX_MAX_DRAFT
+    _open: list[SuffixState] = field(default_factory=list, repr=False)
 
     def make_state(self) -> SuffixState:
-        return SuffixState()
+        state = SuffixState()
+        if self.store is not None:
+            self._open.append(state)  # until closed
+        return state
 
     def offer(self, state: SuffixState, tokens: list[int], longest: int) -> list[Offer]:
         """The suffix draft of the committed ``tokens`` as a copy, at most
@@ -114,7 +118,9 @@ class SuffixProposer:
         if len(draft) == 0 or longest <= 0:
             return [Offer(0)]
         deepest = int(depths(draft.parents).max())
-        return [Offer(min(longest, deepest), copy=True, payload=draft)]
+        return [
+            Offer(min(longest, deepest), copy=True, payload=draft, source=draft.source)
+        ]
 
     def propose(self, state: SuffixState, round: Round) -> Proposal:
         """The offered draft's first ``round.cap`` tokens, as point masses (a
@@ -137,10 +143,24 @@ class SuffixProposer:
             )
         return tree_proposal(draft, round.cap, self.vocab_size)
 
-    def close(self, state: SuffixState) -> None:
-        """Finish the generation's document in the global store (if any)."""
-        if state.request is not None:
-            state.request.close()
+    def close(self, state: SuffixState, tokens: list[int] | None = None) -> None:
+        """Finish the generation's document in the global store (if any),
+        after adding what ``tokens`` (every committed token, the prompt's
+        included, as :meth:`offer` takes them) holds beyond the last offer.
+        Closing twice does nothing."""
+        if any(s is state for s in self._open):
+            self._open = [s for s in self._open if s is not state]
+        if state.request is None:
+            return
+        if tokens is not None and state.request.doc is not None:
+            state.sync(tokens, self.store, self.config)
+        state.request.close()
+
+    def close_all(self, tokens: list[int] | None = None) -> None:
+        """Close every state made and not closed yet (a generation's one,
+        with its ``tokens``)."""
+        for state in list(self._open):
+            self.close(state, tokens)
 
 
 def chain_of(draft: SuffixDraft) -> np.ndarray:
