@@ -21,7 +21,7 @@ from .policy.settings import SpeculationSettings, build_settings
 from .policy.telemetry import Telemetry
 from .proposers.base import Proposer, tree_source
 from .proposers.copying import Drafter, own_proposer, pair_proposer
-from .proposers.suffix import SUFFIX_MAX_DRAFT, SuffixProposer
+from .proposers.suffix import SUFFIX_MAX_DRAFT, SuffixProposer, suffix_pair_proposer
 from .proposers.suffix_files import ProcessStore, process_store, resolve_store_name
 from .proposers.suffix_store import SuffixStore
 from .sampling.coupled import own_keys, resolve_sampling
@@ -126,12 +126,15 @@ def stream_generate(
     :mod:`~mlx_dspark.proposers.suffix`); each round offered a suffix draft
     verifies as much of it as the policy's measured acceptance and costs
     say pays (``num_draft``, at most 16, bounds it); rounds without one are
-    plain target steps. Combining suffix drafts with a drafter is not
-    available yet.
+    plain target steps. With a drafter, each round takes the suffix draft
+    (verified as it is, the drafter not run), the drafter's block or a plain
+    step, whichever the measured costs and this generation's acceptance of
+    each predict fastest; the drafter's ``phrases.npy`` is the suffix
+    drafts' global store (chains only).
 
-    ``suffix_store`` (with ``suffix=True``): the global store the drafts also
-    come from, into which the response is written live and closed when the
-    generation ends (SuffixDecoding's global tree;
+    ``suffix_store`` (with ``suffix=True`` and no drafter): the global store
+    the drafts also come from, into which the response is written live and
+    closed when the generation ends (SuffixDecoding's global tree;
     :mod:`~mlx_dspark.proposers.suffix_files`). ``"process"`` (the default):
     an in-memory store kept on the ``tokenizer`` object, so later
     generations with it draft from earlier ones' output; ``"auto"``: the
@@ -179,11 +182,6 @@ def stream_generate(
     sampling = resolve_sampling(sampling, seed)
 
     stats = telemetry = None
-    if drafter is not None and suffix:
-        raise DSparkError(
-            "Suffix drafts cannot be combined with a drafter yet: pass "
-            "drafter=None for suffix drafts, or suffix=False."
-        )
     if drafter is None and not suffix:
         tokens = _target_only_tokens(model, prompt, params, max_tokens, seed)
     else:
@@ -212,7 +210,7 @@ def stream_generate(
             resolved, target, proposer = _suffix_setup(model, settings, store)
         else:
             resolved, target, proposer = _drafter_setup(
-                model, drafter, settings, profile_progress
+                model, drafter, settings, profile_progress, suffix
             )
         telemetry = resolved.policy.telemetry
         telemetry.policy, telemetry.note = resolved.mode, resolved.note
@@ -306,16 +304,30 @@ def _drafter_setup(
     drafter: Drafter,
     settings: SpeculationSettings,
     progress: Callable[[int, int], None] | None,
+    suffix: bool = False,
 ) -> tuple[ResolvedPolicy, TargetAdapter, Proposer]:
-    """The policy, target adapter and proposer of a drafter's pair."""
+    """The policy, target adapter and proposer of a drafter's pair (with
+    ``suffix``, suffix drafts and the drafter's block chosen round by
+    round)."""
+    if suffix and settings.tree_budget:
+        raise DSparkError(
+            "Suffix drafts with a drafter run chains only: drop tree_budget "
+            "(--dspark-tree), or the drafter for suffix trees."
+        )
     # Profiling and calibration draw no key mlx-lm's sampler would use.
     with own_keys():
-        resolved = resolve_policy(model, drafter, settings, progress=progress)
+        resolved = resolve_policy(
+            model, drafter, settings, progress=progress, suffix=suffix
+        )
     target = TargetAdapter(model, drafter.config.target_layer_ids)
     if settings.tree_budget:
         target.check_tree()
         tree_source(own_proposer(drafter))  # or: it proposes chains only
-    proposer = pair_proposer(drafter, settings.copy_draft, settings.copy_as_is)
+    if suffix:
+        longest = settings.copy_draft or settings.num_draft
+        proposer = suffix_pair_proposer(drafter, min(longest, SUFFIX_MAX_DRAFT))
+    else:
+        proposer = pair_proposer(drafter, settings.copy_draft, settings.copy_as_is)
     return resolved, target, proposer
 
 

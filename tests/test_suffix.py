@@ -361,10 +361,16 @@ def test_seeded_output_equals_mlx_lm(pair, name, tree_budget):
 # -- the Python API's and the command line's words ---------------------------
 
 
-def test_suffix_with_a_drafter_or_a_confidence_scheduler_is_one_sentence(pair):
+def test_suffix_trees_with_a_drafter_or_a_confidence_scheduler_are_one_sentence(
+    pair,
+):
     model, tokenizer, drafter, *_ = pair
-    with pytest.raises(DSparkError, match="cannot be combined with a drafter yet"):
-        list(stream_generate(model, tokenizer, drafter, [1, 2], suffix=True))
+    with pytest.raises(DSparkError, match="chains only"):
+        list(
+            stream_generate(
+                model, tokenizer, drafter, [1, 2], suffix=True, tree_budget=4
+            )
+        )
     for scheduler in ("auto", "threshold"):
         with pytest.raises(DSparkError, match="no confidences") as caught:
             list(
