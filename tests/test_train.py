@@ -850,18 +850,131 @@ def test_progress_in_a_log_is_a_plain_line_every_log_every_steps(setup, tmp_path
     lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert [line.split()[1] for line in lines] == ["2/6", "4/6", "6/6"]
     assert all("loss" in line and "pos/s" in line for line in lines)
-    # Without a teacher store the run says, in one line, what makes it fast.
-    assert "add --teacher-store DIR --batch-size 10" in proc.stderr
 
 
-def test_the_fast_path_hint_is_for_runs_without_a_teacher_store(setup, tmp_path):
-    from mlx_dspark.cli.train import fast_path_hint
+def test_the_plain_command_builds_the_teacher_store_once_and_reuses_it(
+    setup, tmp_path, monkeypatch, capsys
+):
+    """Default flags: the store is built in the user cache on the first run
+    (its progress with a rate), reused by the next run on the same contents
+    (no target forward, files untouched), rebuilt for other data or with
+    --refresh-teacher-store, and --teacher-store none runs the target."""
+    from mlx_dspark.cli.train import main
 
-    plain = base_args(setup, tmp_path / "o", teacher_store=None, quiet=False)
-    assert "--teacher-store" in fast_path_hint(plain)
-    stored = replace(plain, teacher_store=str(tmp_path / "store"))
-    assert fast_path_hint(stored) is None
-    assert fast_path_hint(replace(plain, quiet=True)) is None
+    _, target_dir, _, _, data = setup
+    monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path / "cache"))
+    forwards = {"store": 0, "online": 0}
+    rows, online = teacher_module._teacher_rows, OnlineTeacher.__call__
+
+    def counted_rows(*args):
+        forwards["store"] += 1
+        return rows(*args)
+
+    def counted_online(*args):
+        forwards["online"] += 1
+        return online(*args)
+
+    monkeypatch.setattr(teacher_module, "_teacher_rows", counted_rows)
+    monkeypatch.setattr(OnlineTeacher, "__call__", counted_online)
+    runs = iter(range(100))
+
+    def plain(data_file, *more):
+        main(
+            ["--model", str(target_dir), "--data", str(data_file), "--steps", "2"]
+            + ["--out", str(tmp_path / f"o{next(runs)}"), "--layers", "1"]
+            + ["--markov-rank", "8", "--seq-len", "64", "--anchors", "8", *more]
+        )
+        return dict(forwards)
+
+    def stores():
+        files = sorted((tmp_path / "cache" / "teacher").glob("*/*.npy"))
+        return {str(f): f.stat().st_mtime_ns for f in files}
+
+    assert plain(data) == {"store": 3, "online": 0}  # 24 sequences, 8 a batch
+    built = stores()
+    assert len(built) == 3
+    out = capsys.readouterr().out
+    assert "teacher store: 24/24" in out and "tokens/s" in out
+    record = json.loads((tmp_path / "o0" / "training_record.json").read_text())
+    assert record["arguments"]["batch_size"] == 10
+    if mx.default_device() == mx.cpu:
+        assert record["arguments"]["dtype"] == "float32"
+
+    moved = tmp_path / "moved.jsonl"
+    shutil.copy(data, moved)
+    assert plain(moved) == {"store": 3, "online": 0}  # the same contents
+    assert stores() == built
+    assert "teacher store: reusing" in capsys.readouterr().out
+
+    changed = tmp_path / "changed.jsonl"
+    changed.write_text(data.read_text() + json.dumps({"text": "t1 t2 t3"}) + "\n")
+    rebuilt = plain(changed)["store"]
+    assert rebuilt > 3
+    assert len(stores()) == 6 and all(stores()[f] == t for f, t in built.items())
+
+    assert plain(data, "--refresh-teacher-store")["store"] == rebuilt + 3
+    assert len(stores()) == 6 and all(stores()[f] != t for f, t in built.items())
+
+    opted_out = plain(data, "--teacher-store", "none")
+    assert opted_out == {"store": rebuilt + 3, "online": 2}
+    assert len(stores()) == 6
+    with pytest.raises(SystemExit):
+        plain(data, "--teacher-store", "none", "--refresh-teacher-store")
+    assert "needs a teacher store" in capsys.readouterr().err
+
+
+def test_the_target_fingerprint_follows_its_files(setup, tmp_path, monkeypatch):
+    """A store's key changes with the target's files: small ones by content,
+    weights by size and modification time."""
+    from mlx_dspark.training.run import target_fingerprint
+
+    target = tmp_path / "target"
+    shutil.copytree(setup[1], target)
+    first = target_fingerprint(target)
+    assert target_fingerprint(target) == first
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "note": 1}))
+    assert target_fingerprint(target) != first
+    monkeypatch.setattr("mlx_dspark.training.run.FINGERPRINT_BYTES", 0)
+    by_time = target_fingerprint(target)
+    weights = target / "model.safetensors"
+    os.utime(weights, ns=(1, weights.stat().st_mtime_ns + 10**9))
+    assert target_fingerprint(target) != by_time
+
+
+def test_draft_vocab_auto_is_the_recipes_for_a_large_vocabulary(setup):
+    """--draft-vocab auto: 4,096 tokens for a target with more than twice as
+    many, the whole vocabulary for a small one, the starting drafter's own
+    with --init-from; none and numbers are kept, anything else refused."""
+    from types import SimpleNamespace
+
+    from mlx_dspark.cli.train import build_parser
+    from mlx_dspark.training.run import _resolved_draft_vocab
+
+    args = base_args(setup, "unused")
+    big, small = SimpleNamespace(vocab_size=49152), SimpleNamespace(vocab_size=31)
+    assert args.draft_vocab == "auto"
+    assert _resolved_draft_vocab(args, big, None) == 4096
+    assert _resolved_draft_vocab(args, small, None) is None
+    assert _resolved_draft_vocab(replace(args, draft_vocab="none"), big, None) is None
+    assert _resolved_draft_vocab(replace(args, draft_vocab=100), big, None) == 100
+
+    def start(reduced: bool):
+        config = SimpleNamespace(reduced_vocab=reduced, draft_vocab_size=512)
+        return SimpleNamespace(drafter=SimpleNamespace(config=config))
+
+    assert _resolved_draft_vocab(args, big, start(True)) == 512
+    assert _resolved_draft_vocab(args, big, start(False)) is None
+
+    def parse(value):
+        argv = ["--model", "m", "--data", "d", "--out", "o", "--draft-vocab", value]
+        return build_parser().parse_args(argv).draft_vocab
+
+    assert parse("none") == "none" and parse("64") == 64
+    with pytest.raises(DSparkError, match="auto or none"):
+        parse("many")
+    with pytest.raises(DSparkError, match="--draft-vocab must be"):
+        train(replace(args, draft_vocab="many"))
 
 
 def test_binary_data_is_refused_before_anything_is_written(setup, tmp_path):

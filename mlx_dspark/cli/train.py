@@ -23,7 +23,15 @@ from rich.progress import (
 )
 from rich.progress import Progress as RichProgress
 
-from ..training.run import DTYPES, KINDS, Progress, TrainArgs, train
+from ..training.run import (
+    AUTO_DTYPE,
+    DEFAULT_DRAFT_VOCAB,
+    DTYPES,
+    KINDS,
+    Progress,
+    TrainArgs,
+    train,
+)
 from .terminal import ArgumentParser, log_to_terminal, run_cli
 
 
@@ -33,6 +41,17 @@ def _layer_ids(value: str) -> list[int]:
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected integers like 1,8,15, got {value!r}"
+        ) from None
+
+
+def _draft_vocab(value: str) -> int | str:
+    if value in ("auto", "none"):
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number, auto or none, got {value!r}"
         ) from None
 
 
@@ -86,11 +105,13 @@ def build_parser(prog: str = "mlx_dspark.train") -> argparse.ArgumentParser:
     add("--markov-rank", type=int, default=d.markov_rank, help="Sequential head rank.")
     add(
         "--draft-vocab",
-        type=int,
-        default=None,
+        type=_draft_vocab,
+        default=d.draft_vocab,
         metavar="N",
         help="Draft over the N most frequent training tokens only (smaller, faster "
-        "drafter; still lossless); none = the target's whole vocabulary.",
+        "drafter and teacher store; still lossless); none = the target's whole "
+        f"vocabulary; auto = {DEFAULT_DRAFT_VOCAB} for a target with more than "
+        f"{2 * DEFAULT_DRAFT_VOCAB} tokens, the starting drafter's with --init-from.",
     )
     add(
         "--target-layer-ids",
@@ -156,11 +177,18 @@ def build_parser(prog: str = "mlx_dspark.train") -> argparse.ArgumentParser:
         "--teacher-store",
         "--cache-features",
         dest="teacher_store",
-        default=None,
+        default=d.teacher_store,
         metavar="DIR",
-        help="Compute the target's features and distributions once, into DIR "
-        "(memory-mapped; reused by later runs on the same data); none = run the "
-        "target on the fly every step.",
+        help="Compute the target's features and distributions once, into a "
+        "store under DIR (memory-mapped), reused by later runs with the same "
+        "target, data contents, --seq-len, taps and draft vocabulary; auto = "
+        "the user cache ($MLX_DSPARK_CACHE or ~/.cache/mlx_dspark, in teacher/); "
+        "none = run the target on the fly every step (several times slower).",
+    )
+    add(
+        "--refresh-teacher-store",
+        action="store_true",
+        help="Rebuild the teacher store even when one matches.",
     )
     add(
         "--init-from-target",
@@ -221,7 +249,13 @@ def build_parser(prog: str = "mlx_dspark.train") -> argparse.ArgumentParser:
         action="store_true",
         help="Also write embed_tokens/lm_head copies, as DeepSpec does.",
     )
-    add("--dtype", default=d.dtype, choices=list(DTYPES), help="Training dtype.")
+    add(
+        "--dtype",
+        default=d.dtype,
+        choices=[AUTO_DTYPE, *DTYPES],
+        help="Dtype the drafter is written in (training keeps float32 weights); "
+        "auto = float32 on a CPU, bfloat16 on a GPU.",
+    )
     add(
         "--quantize-bits",
         type=int,
@@ -278,7 +312,7 @@ def stage_progress(log_every: int, quiet: bool) -> Iterator[Progress | None]:
             tenth = 10 * done // max(total, 1)
             if tenth > tenths.get(stage, 0):
                 tenths[stage] = tenth
-                print(f"{stage}: {done}/{total}", flush=True)
+                print(f"{stage}: {done}/{total}  {metrics}".rstrip(), flush=True)
 
         yield line
         return
@@ -301,41 +335,11 @@ def stage_progress(log_every: int, quiet: bool) -> Iterator[Progress | None]:
         yield draw
 
 
-def fast_path_hint(args: TrainArgs) -> str | None:
-    """One line for a run without a teacher store: the target then runs at
-    every step, many times slower than the recipe's fast path."""
-    if args.teacher_store is not None or args.quiet:
-        return None
-    return (
-        "note: without --teacher-store the target runs at every step; for the "
-        "recipe's fast path add --teacher-store DIR --batch-size 10 --anchors 64 "
-        "(and --dtype float32 on a CPU)."
-    )
-
-
-def _note_first(progress: Progress, stage: str, note: str) -> Progress:
-    """``progress``, printing ``note`` on stderr when ``stage`` first reports
-    (after every check passed, so that an error still prints alone)."""
-    said = False
-
-    def report(name: str, done: int, total: int, metrics: str) -> None:
-        nonlocal said
-        if name == stage and not said:
-            said = True
-            print(note, file=sys.stderr, flush=True)
-        progress(name, done, total, metrics)
-
-    return report
-
-
 def _main(argv: list[str] | None, prog: str) -> None:
     ns = build_parser(prog).parse_args(argv)
     log_to_terminal(quiet=ns.quiet)
     args = TrainArgs(**vars(ns))
-    hint = fast_path_hint(args)
     with stage_progress(args.log_every, args.quiet) as progress:
-        if progress is not None and hint is not None:
-            progress = _note_first(progress, "training", hint)
         result = train(args, progress=progress)
     if result.status == "interrupted":
         raise SystemExit(130)

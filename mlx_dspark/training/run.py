@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
@@ -38,6 +39,7 @@ from ..checkpoints.weights import resolve_path
 from ..errors import DSparkError
 from ..proposers.dspark import DSparkDrafter
 from ..targets.adapter import TargetAdapter
+from ..utils import cache_dir
 from .batches import (
     Batch,
     DraftVocabulary,
@@ -68,7 +70,7 @@ from .model import (
     new_drafter,
     trained_drafter,
 )
-from .teacher import OnlineTeacher, TeacherStore
+from .teacher import OnlineTeacher, TeacherStore, build_order
 from .trainer import (
     METRICS,
     LoopState,
@@ -81,6 +83,14 @@ from .trainer import (
 logger = logging.getLogger("mlx_dspark")
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+# The written drafter's dtype (training keeps float32 weights either way);
+# "auto": float32 on a CPU, where MLX's bfloat16 matmuls are slower, else bfloat16.
+AUTO_DTYPE = "auto"
+# --teacher-store's default: the user cache; "none" runs the target every step.
+STORE_IN_CACHE, NO_STORE = "auto", "none"
+# --draft-vocab auto: this many tokens for a target with more than twice as
+# many (the default drafter's recipe), the starting drafter's with --init-from.
+DEFAULT_DRAFT_VOCAB = 4096
 KINDS = ("dspark", "eagle3")
 
 
@@ -95,13 +105,13 @@ class TrainArgs:
     layers: int = 2
     markov_head: str = "vanilla"
     markov_rank: int = 256
-    draft_vocab: int | None = None
+    draft_vocab: int | str | None = "auto"
     target_layer_ids: list[int] | None = None
     confidence: bool = True
     mask_token_id: int | None = None
     steps: int | None = None
     epochs: float | None = None
-    batch_size: int = 4
+    batch_size: int = 10
     anchors: int = 64
     lr: float = 6e-4
     warmup: float = 0.04
@@ -114,7 +124,8 @@ class TrainArgs:
     resume: bool = False
     checkpoint_every: int = 500
     keep_checkpoint: bool = False
-    teacher_store: str | None = None
+    teacher_store: str | None = STORE_IN_CACHE
+    refresh_teacher_store: bool = False
     init_from_target: bool = False
     init_from: str | None = None
     regenerate: bool = False
@@ -124,7 +135,7 @@ class TrainArgs:
     regen_temperature: float = 0.7
     regen_batch_size: int = 8
     with_embeddings: bool = False
-    dtype: str = "bfloat16"
+    dtype: str = AUTO_DTYPE
     quantize_bits: int | None = None
     quantize_group_size: int = 64
     force: bool = False
@@ -168,6 +179,7 @@ def train(
         args, progress = replace(args, quiet=True), None
     stage = _stage_progress(progress)
     _check_args(args)
+    args = replace(args, dtype=resolved_dtype(args.dtype))
     if size > 1 and args.regenerate:
         raise DSparkError("Regenerate in one process (--regenerate), then train.")
     if size > args.batch_size:
@@ -193,6 +205,7 @@ def train(
     _say(args, f"data: {report.summary()}")
     data_hashes = [{"path": str(p), "sha256": sha256(p)} for p in data_files]
     val_data, val_hashes = _validation_data(args, tokenizer, data_hashes)
+    args = replace(args, draft_vocab=_resolved_draft_vocab(args, target, start))
     vocab = _draft_vocabulary(args, sequences, target, start)
     draft_vocab_size = None if vocab is None else len(vocab.ids)
     draft_ids = None if vocab is None else vocab.ids
@@ -246,7 +259,7 @@ def train(
         _all_sum(0, group)
     teacher = _teacher(
         args, target, target_path, sequences, data_hashes, draft_ids,
-        stage("teacher store"),
+        stage("teacher store"), refresh=args.refresh_teacher_store and rank == 0,
     )  # fmt: skip
     if rank == 0 and size > 1:
         _all_sum(0, group)
@@ -262,7 +275,7 @@ def train(
     if val_data and rank == 0:  # held-out files instead of a split
         val_teacher = _teacher(
             args, target, target_path, val_data, val_hashes, draft_ids,
-            stage("validation store"),
+            stage("validation store"), refresh=args.refresh_teacher_store,
         )  # fmt: skip
         val_make = partial(batch_maker, args, val_data, mask_token_id, vocab)
         val_ids = list(range(len(val_data)))
@@ -334,8 +347,12 @@ def _check_args(args: TrainArgs) -> None:
         "--anchors": args.anchors,
         "--seq-len": args.seq_len,
     }
-    if args.draft_vocab is not None:
+    if isinstance(args.draft_vocab, int):
         positive["--draft-vocab"] = args.draft_vocab
+    elif args.draft_vocab not in (None, "auto", "none"):
+        raise DSparkError(
+            f"--draft-vocab must be a number, auto or none, got {args.draft_vocab!r}."
+        )
     if args.markov_head != "none":
         positive["--markov-rank"] = args.markov_rank
     positive.update(
@@ -379,10 +396,12 @@ def _check_args(args: TrainArgs) -> None:
         raise DSparkError(f"--epochs must be positive, got {args.epochs}.")
     if args.lr <= 0:
         raise DSparkError(f"--lr must be positive, got {args.lr}.")
-    if args.dtype not in DTYPES:
+    if args.dtype not in (AUTO_DTYPE, *DTYPES):
         raise DSparkError(
-            f"--dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}."
+            f"--dtype must be auto or one of {', '.join(DTYPES)}, got {args.dtype!r}."
         )
+    if args.refresh_teacher_store and teacher_store_dir(args) is None:
+        raise DSparkError("--refresh-teacher-store needs a teacher store, not none.")
     out = Path(args.out).expanduser()
     ckpt = checkpoint_path(out)
     if out.exists() and not args.force:
@@ -456,6 +475,20 @@ def _regenerated(args: TrainArgs, out: Path, model, tokenizer, progress) -> list
     return [str(path)]
 
 
+def _resolved_draft_vocab(
+    args: TrainArgs, target: TargetAdapter, start: StartDrafter | None
+) -> int | None:
+    """``--draft-vocab`` as a size (None: the whole vocabulary); ``auto`` is
+    the starting drafter's with ``--init-from``, else DEFAULT_DRAFT_VOCAB for
+    a target with more than twice as many tokens."""
+    if args.draft_vocab != "auto":
+        return None if args.draft_vocab == "none" else args.draft_vocab
+    if start is not None:
+        drafter = start.drafter
+        return drafter.config.draft_vocab_size if drafter.config.reduced_vocab else None
+    return DEFAULT_DRAFT_VOCAB if target.vocab_size > 2 * DEFAULT_DRAFT_VOCAB else None
+
+
 def _draft_vocabulary(
     args: TrainArgs, sequences, target, start: StartDrafter | None
 ) -> DraftVocabulary | None:
@@ -517,31 +550,104 @@ def _run_summary(record: dict) -> dict:
     }
 
 
-def _teacher(args, target, target_path, sequences, data_hashes, draft_ids, progress):
-    """The teacher store under ``--teacher-store`` (built on first use), or
-    the target on the fly."""
-    if not args.teacher_store:
+def resolved_dtype(dtype: str) -> str:
+    """``--dtype``, with ``auto`` resolved by the default device: float32 on
+    a CPU, bfloat16 on a GPU."""
+    if dtype != AUTO_DTYPE:
+        return dtype
+    return "float32" if mx.default_device() == mx.cpu else "bfloat16"
+
+
+def teacher_store_dir(args: TrainArgs) -> Path | None:
+    """Where ``--teacher-store`` keeps its stores: ``auto`` is the user cache
+    (``cache_dir() / "teacher"``), ``none`` (or None) keeps none."""
+    if args.teacher_store is None or args.teacher_store == NO_STORE:
+        return None
+    if args.teacher_store == STORE_IN_CACHE:
+        return cache_dir() / "teacher"
+    return Path(args.teacher_store).expanduser()
+
+
+def target_fingerprint(path: Path) -> list:
+    """What identifies the target at ``path``: its small files (config,
+    tokenizer) by content, its weights by name, size and modification time
+    (hashing gigabytes at every run would cost more than it saves)."""
+    entries = []
+    for file in sorted(p for p in Path(path).iterdir() if p.is_file()):
+        stat = file.stat()
+        if stat.st_size <= FINGERPRINT_BYTES:
+            entries.append([file.name, sha256(file)])
+        else:
+            entries.append([file.name, stat.st_size, stat.st_mtime_ns])
+    return entries
+
+
+FINGERPRINT_BYTES = 2**25
+
+
+def _teacher(
+    args, target, target_path, sequences, data_hashes, draft_ids, progress,
+    refresh=False,
+):  # fmt: skip
+    """The teacher store under ``--teacher-store`` (the user cache by
+    default), built on first use and reused while the target, the data's
+    contents and the settings that shape it are the same; ``refresh``
+    rebuilds it. With ``--teacher-store none``, the target on the fly."""
+    root = teacher_store_dir(args)
+    if root is None:
         return OnlineTeacher(target, draft_ids)
     ids = None if draft_ids is None else draft_ids.tolist()
     contents = [h["sha256"] for h in data_hashes]  # not paths: data may move
     key = hashlib.sha256(
         json.dumps(
-            [str(target_path), target.layer_ids, contents, args.seq_len, ids]
+            [
+                str(target_path), target_fingerprint(target_path), target.layer_ids,
+                contents, args.seq_len, ids,
+            ]
         ).encode()
-    ).hexdigest()
-    directory = Path(args.teacher_store).expanduser() / key[:16]
-    if TeacherStore.complete(directory, key):
-        return TeacherStore(directory)
+    ).hexdigest()  # fmt: skip
+    directory = root / key[:16]
+    if refresh:
+        shutil.rmtree(directory, ignore_errors=True)
+    elif TeacherStore.complete(directory, key):
+        store = TeacherStore(directory)
+        _say(
+            args, f"teacher store: reusing {directory} ({store.nbytes / 2**20:.0f} MiB)"
+        )
+        return store
     # A batch's logits are sequences x tokens x vocabulary floats, held twice
     # (MLX, NumPy): about 1 GiB each at most (8 sequences of 512 tokens at
     # SmolLM2's 49k vocabulary, 3 of 320 at Gemma-3's 262k).
     batch = max(1, min(8, TEACHER_LOGITS // (args.seq_len * target.vocab_size)))
+    tic = time.perf_counter()
     store = TeacherStore.build(
         directory, key, target, sequences, draft_ids, batch_size=batch,
-        progress=progress,
+        progress=_build_rate(progress, sequences, tic),
     )  # fmt: skip
-    _say(args, f"teacher store: {directory} ({store.nbytes / 2**20:.0f} MiB)")
+    seconds = time.perf_counter() - tic
+    tokens = sum(len(s) for s in sequences)
+    _say(
+        args,
+        f"teacher store: built {directory} ({store.nbytes / 2**20:.0f} MiB) in "
+        f"{seconds:.0f} s, {tokens / max(seconds, 1e-9):.0f} tokens/s",
+    )
     return store
+
+
+def _build_rate(progress, sequences: list[Sequence], tic: float):
+    """``progress(done, total)`` of a store's build, with its rate in tokens
+    per second as the metrics."""
+    if progress is None:
+        return None
+    lengths = np.array([len(s) for s in sequences], dtype=np.int64)
+    done_tokens = np.cumsum(lengths[build_order(lengths)])
+
+    def report(done: int, total: int) -> None:
+        seconds = max(time.perf_counter() - tic, 1e-9)
+        tokens = int(done_tokens[done - 1]) if done else 0
+        progress(done, total, f"{tokens / seconds:.0f} tokens/s")
+
+    return report
 
 
 TEACHER_LOGITS = 2**28

@@ -154,7 +154,7 @@ class TeacherStore:
         state = _read_progress(directory, plan)
         if state is None:
             state = {"feature_dtype": "float32" if exact else "float16", "done": 0}
-        order = np.argsort(-lengths, kind="stable")  # similar lengths together
+        order = build_order(lengths)
         starts = range(0, len(order), batch_size)
         while True:
             if state["done"] == 0:
@@ -228,6 +228,12 @@ class TeacherStore:
             _gather(mx.array(probs), batch.positions),
             _gather(mx.array(outside), batch.positions),
         )
+
+
+def build_order(lengths: np.ndarray) -> np.ndarray:
+    """The order a build runs the sequences in: longest first, so that a
+    batch holds similar lengths."""
+    return np.argsort(-lengths, kind="stable")
 
 
 def _teacher_rows(
