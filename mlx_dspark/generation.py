@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
@@ -20,7 +21,9 @@ from .policy.settings import SpeculationSettings, build_settings
 from .policy.telemetry import Telemetry
 from .proposers.base import Proposer, tree_source
 from .proposers.copying import Drafter, own_proposer, pair_proposer
-from .proposers.suffix import SUFFIX_MAX_DRAFT, SuffixProposer
+from .proposers.suffix import SUFFIX_MAX_DRAFT, SuffixProposer, suffix_pair_proposer
+from .proposers.suffix_files import ProcessStore, process_store, resolve_store_name
+from .proposers.suffix_store import SuffixStore
 from .sampling.coupled import own_keys, resolve_sampling
 from .sampling.processing import SamplingParams
 from .targets.adapter import TargetAdapter
@@ -99,6 +102,7 @@ def stream_generate(
     settings: SpeculationSettings | None = None,
     sampling: str | None = None,
     suffix: bool = False,
+    suffix_store: SuffixStore | str | os.PathLike | None = "process",
 ) -> Generator[DSparkResponse, None, None]:
     """Like ``mlx_lm.stream_generate``; ``drafter=None`` decodes with the target alone.
 
@@ -122,8 +126,26 @@ def stream_generate(
     :mod:`~mlx_dspark.proposers.suffix`); each round offered a suffix draft
     verifies as much of it as the policy's measured acceptance and costs
     say pays (``num_draft``, at most 16, bounds it); rounds without one are
-    plain target steps. Combining suffix drafts with a drafter is not
-    available yet.
+    plain target steps. With a drafter, each round takes the suffix draft
+    (verified as it is, the drafter not run), the drafter's block or a plain
+    step, whichever the measured costs and this generation's acceptance of
+    each predict fastest; the drafter's ``phrases.npy`` is the suffix
+    drafts' global store (chains only).
+
+    ``suffix_store`` (with ``suffix=True`` and no drafter): the global store
+    the drafts also come from, into which the response is written live and
+    closed when the generation ends (SuffixDecoding's global tree;
+    :mod:`~mlx_dspark.proposers.suffix_files`). ``"process"`` (the default):
+    an in-memory store kept on the ``tokenizer`` object, so later
+    generations with it draft from earlier ones' output; ``"auto"``: the
+    same, read at first use from the user cache
+    (``cache_dir()/suffix/<tokenizer fingerprint>.npz``) and written back
+    atomically when each generation ends; a file path: the same with that
+    file; a :class:`~mlx_dspark.proposers.suffix_store.SuffixStore`: that
+    store (the caller saves it); ``"none"`` or None: the request's own
+    index only. A file that cannot be used is moved aside to
+    ``<name>.bad`` and a fresh store starts; the first response's
+    ``settings.notes`` say so.
 
     ``tree_budget`` > 0 drafts a tree of that many nodes per round instead of
     a chain (``num_draft`` then bounds its depth); 0 drafts a chain.
@@ -141,6 +163,7 @@ def stream_generate(
     before the call reproduces mlx-lm's output too). A seed with
     ``"residual"`` repeats only with a fixed ``num_draft``.
     """
+    holder = tokenizer  # the object the process store is kept on
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     if max_tokens < 1:
@@ -159,11 +182,6 @@ def stream_generate(
     sampling = resolve_sampling(sampling, seed)
 
     stats = telemetry = None
-    if drafter is not None and suffix:
-        raise DSparkError(
-            "Suffix drafts cannot be combined with a drafter yet: pass "
-            "drafter=None for suffix drafts, or suffix=False."
-        )
     if drafter is None and not suffix:
         tokens = _target_only_tokens(model, prompt, params, max_tokens, seed)
     else:
@@ -184,10 +202,15 @@ def stream_generate(
                 "already hold every DSpark argument."
             )
         if drafter is None:
-            resolved, target, proposer = _suffix_setup(model, settings)
+            kept = _suffix_store(holder, tokenizer, suffix_store)
+            store = kept.store if isinstance(kept, ProcessStore) else kept
+            if isinstance(kept, ProcessStore) and kept.note:
+                settings = replace(settings, notes=(*settings.notes, kept.note))
+                kept.note = None  # said once
+            resolved, target, proposer = _suffix_setup(model, settings, store)
         else:
             resolved, target, proposer = _drafter_setup(
-                model, drafter, settings, profile_progress
+                model, drafter, settings, profile_progress, suffix
             )
         telemetry = resolved.policy.telemetry
         telemetry.policy, telemetry.note = resolved.mode, resolved.note
@@ -238,6 +261,19 @@ def stream_generate(
     save_costs = (
         None if drafter is None else getattr(resolved.policy, "save_costs", None)
     )
+    # The response goes into the suffix store as it is written; its document
+    # is closed (and a store with a file saved) when the generation ends, also
+    # when the caller stops reading early.
+    written = prompt.tolist()
+    finish_suffix = None
+    if drafter is None and suffix:
+
+        def finish_suffix():
+            proposer.close_all(written)
+            failed = kept.save() if isinstance(kept, ProcessStore) else None
+            if failed:
+                logger.warning(failed)
+
     try:
         for n, (token, from_draft) in enumerate(tokens):
             if n == 0:
@@ -245,6 +281,7 @@ def stream_generate(
                 tic = time.perf_counter()
             if token in tokenizer.eos_token_ids:
                 break
+            written.append(token)
             detokenizer.add_token(token)
             if n + 1 == max_tokens:
                 break
@@ -258,6 +295,8 @@ def stream_generate(
     finally:
         if save_costs is not None:
             save_costs()
+        if finish_suffix is not None:
+            finish_suffix()
 
 
 def _drafter_setup(
@@ -265,24 +304,48 @@ def _drafter_setup(
     drafter: Drafter,
     settings: SpeculationSettings,
     progress: Callable[[int, int], None] | None,
+    suffix: bool = False,
 ) -> tuple[ResolvedPolicy, TargetAdapter, Proposer]:
-    """The policy, target adapter and proposer of a drafter's pair."""
+    """The policy, target adapter and proposer of a drafter's pair (with
+    ``suffix``, suffix drafts and the drafter's block chosen round by
+    round)."""
+    if suffix and settings.tree_budget:
+        raise DSparkError(
+            "Suffix drafts with a drafter run chains only: drop tree_budget "
+            "(--dspark-tree), or the drafter for suffix trees."
+        )
     # Profiling and calibration draw no key mlx-lm's sampler would use.
     with own_keys():
-        resolved = resolve_policy(model, drafter, settings, progress=progress)
+        resolved = resolve_policy(
+            model, drafter, settings, progress=progress, suffix=suffix
+        )
     target = TargetAdapter(model, drafter.config.target_layer_ids)
     if settings.tree_budget:
         target.check_tree()
         tree_source(own_proposer(drafter))  # or: it proposes chains only
-    proposer = pair_proposer(drafter, settings.copy_draft, settings.copy_as_is)
+    if suffix:
+        longest = settings.copy_draft or settings.num_draft
+        proposer = suffix_pair_proposer(drafter, min(longest, SUFFIX_MAX_DRAFT))
+    else:
+        proposer = pair_proposer(drafter, settings.copy_draft, settings.copy_as_is)
     return resolved, target, proposer
 
 
+def _suffix_store(
+    holder: Any, tokenizer: TokenizerWrapper, value: Any
+) -> ProcessStore | SuffixStore | None:
+    """The global store ``suffix_store`` names (see :func:`stream_generate`)."""
+    name = resolve_store_name(value)
+    if name is None or isinstance(name, SuffixStore):
+        return name
+    return process_store(holder, tokenizer, name)
+
+
 def _suffix_setup(
-    model: nn.Module, settings: SpeculationSettings
+    model: nn.Module, settings: SpeculationSettings, store: SuffixStore | None = None
 ) -> tuple[ResolvedPolicy, TargetAdapter, Proposer]:
     """The policy, target adapter (no feature taps) and proposer of suffix
-    drafts with no drafter."""
+    drafts with no drafter (``store``: the global part, if any)."""
     resolved = resolve_suffix_policy(settings)
     target = TargetAdapter(model)
     tree = settings.tree_budget > 0
@@ -290,6 +353,7 @@ def _suffix_setup(
         target.check_tree()
     proposer = SuffixProposer(
         target.vocab_size,
+        store=store,
         tree=tree,
         tree_budget=settings.tree_budget or SUFFIX_MAX_DRAFT,
     )
@@ -299,17 +363,26 @@ def _suffix_setup(
 def suffix_stats(stats: GenerationStats | None) -> str | None:
     """One line on the rounds that verified a suffix draft (rounds offered a
     copy that drafted): how many, and how much of what they verified was
-    kept. None when the generation has no round statistics."""
+    kept; then those whose draft came from the global store (earlier
+    generations' text). None when the generation has no round statistics."""
     if stats is None or not stats.rounds:
         return None
     rounds = [r for r in stats.rounds if r.copy_offered and r.drafted > 0]
     verified = sum(r.verified for r in rounds)
     accepted = sum(r.accepted for r in rounds)
     rate = accepted / verified if verified else 0.0
-    return (
+    line = (
         f"Suffix drafts: {len(rounds)} of {len(stats.rounds)} rounds, "
         f"{accepted} of {verified} drafted tokens accepted ({rate:.0%})"
     )
+    shared = [r for r in rounds if r.source == "global"]
+    if shared:
+        kept = sum(r.accepted for r in shared)
+        line += (
+            f"; {len(shared)} rounds drafted from earlier text "
+            f"(the suffix store), {kept} tokens accepted"
+        )
+    return line
 
 
 _POLICY_NAMES = {

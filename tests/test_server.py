@@ -377,7 +377,11 @@ def test_sampled_requests_exact_in_mixed_batches(pair_factory, sampling):
     "args, code, out",
     [
         (["--help"], 0, "--draft-model"),
-        (["--model", "x"], 1, "error: --model needs a DSpark --draft-model."),
+        (
+            ["--model", "x"],
+            1,
+            "error: --model needs a DSpark --draft-model (or --dspark-suffix",
+        ),
         (
             ["--prompt-cache-bytes", "lots"],
             1,

@@ -361,10 +361,16 @@ def test_seeded_output_equals_mlx_lm(pair, name, tree_budget):
 # -- the Python API's and the command line's words ---------------------------
 
 
-def test_suffix_with_a_drafter_or_a_confidence_scheduler_is_one_sentence(pair):
+def test_suffix_trees_with_a_drafter_or_a_confidence_scheduler_are_one_sentence(
+    pair,
+):
     model, tokenizer, drafter, *_ = pair
-    with pytest.raises(DSparkError, match="cannot be combined with a drafter yet"):
-        list(stream_generate(model, tokenizer, drafter, [1, 2], suffix=True))
+    with pytest.raises(DSparkError, match="chains only"):
+        list(
+            stream_generate(
+                model, tokenizer, drafter, [1, 2], suffix=True, tree_budget=4
+            )
+        )
     for scheduler in ("auto", "threshold"):
         with pytest.raises(DSparkError, match="no confidences") as caught:
             list(
@@ -409,3 +415,146 @@ def test_cli_dspark_suffix(family):
         assert bad.returncode == 1, extra
         assert message in bad.stderr and "Traceback" not in bad.stderr
         assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
+# -- learning across generations and runs (the global store) ---------------
+
+
+def fresh_tokenizer(path):
+    """A tokenizer object of its own: its process store starts empty."""
+    return mlx_lm_load(str(path))[1]
+
+
+def global_rounds(stats) -> list:
+    return [r for r in stats.rounds if r.drafted and r.source == "global"]
+
+
+def test_a_second_generation_drafts_from_the_first_through_the_process_store(
+    family,
+):
+    model, _, path = family("qwen3")
+    tokenizer = fresh_tokenizer(path)
+    expected = until_eos(plain_greedy(model, PROMPT, 40), tokenizer)
+
+    def run(**kw):
+        responses = list(
+            stream_generate(
+                model, tokenizer, None, PROMPT, max_tokens=40, suffix=True, **kw
+            )
+        )
+        assert [r.token for r in responses] == expected
+        return responses[-1].stats
+
+    first = run()
+    assert not global_rounds(first)  # nothing earlier to draft from
+    second = run()  # the default: the store kept on the tokenizer object
+    shared = global_rounds(second)
+    assert shared and sum(r.accepted for r in shared) > 0
+    assert "rounds drafted from earlier text" in suffix_stats(second)
+    kept = tokenizer.dspark_suffix_stores["process"].store
+    assert kept.num_documents == 2
+    assert kept.documents()[0].tolist() == [
+        t for t in expected if t not in (tokenizer.eos_token_ids)
+    ]
+    alone = run(suffix_store="none")
+    assert not global_rounds(alone)
+    assert kept.num_documents == 2  # "none" writes nothing
+
+
+def test_a_generation_stopped_early_closes_its_document(family):
+    model, _, path = family("qwen3")
+    tokenizer = fresh_tokenizer(path)
+    store = SuffixStore()
+    responses = stream_generate(
+        model, tokenizer, None, PROMPT, max_tokens=40, suffix=True, suffix_store=store
+    )
+    taken = [next(responses).token for _ in range(6)]
+    responses.close()
+    assert not store._live  # closed, not left being written
+    [document] = store.documents()
+    assert document.tolist()[:6] == taken
+    assert not hasattr(tokenizer, "dspark_suffix_stores")  # a store was given
+
+
+def test_store_files_round_trip_across_runs(family, tmp_path):
+    """Two processes: the second drafts from what the first wrote, read from
+    the user cache (auto, keyed by the tokenizer) or a given file."""
+    from mlx_dspark.proposers.suffix_files import tokenizer_fingerprint
+
+    model, tokenizer, path = family("qwen3")
+    common = ["--model", str(path), "-p", "t5 t7 t1 t2 t9 t3", "-m", "40"]
+    common += ["--ignore-chat-template"]
+    plain = run(*common, "--verbose", "false")
+    cache = tmp_path / "cache"
+    env = {"MLX_DSPARK_CACHE": str(cache)}
+    auto = cache / "suffix" / f"{tokenizer_fingerprint(tokenizer)}.npz"
+    given = tmp_path / "mine" / "store.npz"
+    for where, file in (([], auto), (["--dspark-suffix-store", str(given)], given)):
+        first = run(*common, "--dspark-suffix", *where, env=env)
+        assert first.returncode == 0, first.stderr
+        assert "from earlier text" not in first.stdout
+        assert file.exists()
+        second = run(*common, "--dspark-suffix", *where, env=env)
+        assert second.returncode == 0, second.stderr
+        line = next(x for x in second.stdout.splitlines() if "Suffix drafts" in x)
+        assert "rounds drafted from earlier text" in line, line
+        assert int(line.split("earlier text (the suffix store), ")[1].split()[0]) > 0
+        quiet = run(*common, "--dspark-suffix", *where, "--verbose", "false", env=env)
+        assert quiet.stdout == plain.stdout
+    none = run(*common, "--dspark-suffix", "--dspark-suffix-store", "none", env=env)
+    assert "from earlier text" not in none.stdout
+
+
+def bad_store(file, kind: str) -> None:
+    store = SuffixStore()
+    store.add_document([1, 2, 3, 4])
+    store.save(file, "other" if kind == "foreign" else "mine")
+    data = file.read_bytes()
+    if kind == "corrupt":
+        file.write_bytes(b"not a store" + data[11:])
+    elif kind == "truncated":
+        file.write_bytes(data[: len(data) // 2])
+
+
+@pytest.mark.parametrize("kind", ["corrupt", "truncated", "foreign"])
+def test_unusable_store_files_are_moved_aside_in_one_sentence(tmp_path, kind):
+    from mlx_dspark.proposers.suffix_files import open_store
+
+    file = tmp_path / "store.npz"
+    bad_store(file, kind)
+    before = file.read_bytes()
+    store, note = open_store(file, "mine")
+    assert store.num_documents == 0  # a fresh store
+    words = {"corrupt": "corrupt or truncated", "truncated": "corrupt or truncated"}
+    assert words.get(kind, "another tokenizer") in note
+    assert note.count(". ") == 0 and note.endswith(".") and "\n" not in note
+    assert not file.exists()
+    assert (tmp_path / "store.npz.bad").read_bytes() == before
+    # A second bad file does not overwrite the first one moved aside.
+    bad_store(file, kind)
+    _, again = open_store(file, "mine")
+    assert "store.npz.bad.1" in again
+    assert (tmp_path / "store.npz.bad").read_bytes() == before
+    # No file: a fresh store and nothing to say.
+    assert open_store(tmp_path / "none.npz", "mine")[1] is None
+
+
+def test_cli_refuses_a_corrupt_store_in_one_sentence_and_keeps_it(family, tmp_path):
+    _, _, path = family("qwen3")
+    file = tmp_path / "store.npz"
+    bad_store(file, "corrupt")
+    before = file.read_bytes()
+    common = ["--model", str(path), "-p", "t5 t7 t1 t2", "-m", "20"]
+    common += ["--ignore-chat-template", "--verbose", "false"]
+    result = run(*common, "--dspark-suffix", "--dspark-suffix-store", str(file))
+    assert result.returncode == 0, result.stderr
+    said = [x for x in result.stderr.splitlines() if "suffix store" in x]
+    assert len(said) == 1 and "moved to" in said[0] and "Traceback" not in result.stderr
+    assert (tmp_path / "store.npz.bad").read_bytes() == before
+    assert SuffixStore.load(file, _fingerprint(path)).num_documents == 1
+
+
+def _fingerprint(path) -> str:
+    from mlx_dspark.proposers.suffix_files import tokenizer_fingerprint
+
+    return tokenizer_fingerprint(fresh_tokenizer(path))

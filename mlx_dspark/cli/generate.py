@@ -124,7 +124,18 @@ def setup_arg_parser(prog: str | None = None) -> argparse.ArgumentParser:
         action="store_true",
         help="Draft with no drafter, from what the target has written (the "
         "prompt and the output so far): suffix drafts, verified losslessly; "
-        "--dspark-tree BUDGET verifies them as trees.",
+        "--dspark-tree BUDGET verifies them as trees. With --draft-model, each "
+        "round takes the suffix draft, the drafter's block or a plain step, "
+        "whichever measures fastest.",
+    )
+    group.add_argument(
+        "--dspark-suffix-store",
+        default="auto",
+        metavar="WHERE",
+        help="With suffix drafts: auto (the default) drafts also from what "
+        "earlier runs with this tokenizer wrote, kept in the user cache "
+        "(suffix/<tokenizer fingerprint>.npz) and updated at the end; a file "
+        "path: the same with that file; none: from this run's text only.",
     )
     group.add_argument(
         "--dspark-sampling",
@@ -460,12 +471,8 @@ def _run_dspark(args: argparse.Namespace, explicit: set[str]) -> None:
     from ..generation import stream_generate, suffix_stats
     from ..proposers.suffix import SUFFIX_MAX_DRAFT
 
-    suffix = _suffix_only(args)
-    if args.dspark_suffix and not suffix:
-        raise DSparkError(
-            "--dspark-suffix cannot be combined with a drafter yet; drop "
-            "--draft-model (or the pair's drafter) to draft from the text alone."
-        )
+    suffix_only = _suffix_only(args)
+    suffix = suffix_only or args.dspark_suffix  # with a drafter: chosen per round
     _refuse_for_dspark(args, suffix)
     _speculation(args, explicit, sys.maxsize)  # all but the block size, before loading
     default_pair = args.model is None and args.pair is None
@@ -475,16 +482,16 @@ def _run_dspark(args: argparse.Namespace, explicit: set[str]) -> None:
         # Where mlx_lm.generate seeds: loading the target draws keys too.
         # Sampling then goes on from the global key state (coupled).
         mx.random.seed(args.seed)
-    model, tokenizer, drafter = _load_for_dspark(args, suffix)
+    model, tokenizer, drafter = _load_for_dspark(args, suffix_only)
     _add_eos_tokens(tokenizer, args.extra_eos_token)
     text, raw = _build_prompt(tokenizer, args)
     tokens = tokenizer.encode(text, add_special_tokens=raw)
     _refuse_after_prompt(args, len(tokens))
-    block_size = SUFFIX_MAX_DRAFT if suffix else drafter.block_size
+    block_size = SUFFIX_MAX_DRAFT if suffix_only else drafter.block_size
     settings = _speculation(args, explicit, block_size)
     sampling = resolve_sampling(args.dspark_sampling, args.seed)
     coupled = sampling == "coupled"
-    if default_pair and suffix:
+    if default_pair and suffix_only:
         print(
             "No --model given: using the built-in default pair's target, "
             "SmolLM2-135M-Instruct, with suffix drafts.",
@@ -498,7 +505,7 @@ def _run_dspark(args: argparse.Namespace, explicit: set[str]) -> None:
         )
     elif args.pair is not None:
         print(f"Using the built-in pair {args.pair}.", file=sys.stderr)
-    if suffix and not args.dspark_suffix:
+    if suffix_only and not args.dspark_suffix:
         print(
             f"No {args.pair} drafter is installed: drafting from the text "
             "(suffix drafts).",
@@ -506,6 +513,14 @@ def _run_dspark(args: argparse.Namespace, explicit: set[str]) -> None:
         )
     for note in settings.notes:
         print(note, file=sys.stderr)
+    store = args.dspark_suffix_store
+    if suffix and store != "none":
+        from ..proposers.suffix_files import process_store
+
+        kept = process_store(tokenizer, tokenizer, store)
+        if kept.note:
+            print(kept.note, file=sys.stderr)
+            kept.note = None
     profiling = "Measuring this pair's cost profile (once per machine; cached)"
     with progress_bar(profiling) as profile_progress:
         responses = stream_generate(
@@ -528,6 +543,7 @@ def _run_dspark(args: argparse.Namespace, explicit: set[str]) -> None:
             xtc_special_tokens=_xtc_special_tokens(tokenizer),
             profile_progress=profile_progress,
             suffix=suffix,
+            suffix_store=store,
         )
         text, last = _print_dspark(responses, args.verbose)
     if args.verbose and suffix and text:

@@ -14,6 +14,7 @@ import sys
 import typer
 
 from ..errors import DSparkError
+from ..proposers.suffix_files import SCOPES
 from ..sampling.coupled import SAMPLING_METHODS, UNSEEDED_SAMPLING
 from ..sampling.processing import SamplingParams
 from .terminal import run_command
@@ -37,6 +38,28 @@ def _cli(
         "--dspark-n-draft",
         help="Drafts per request per step at most (default: the drafter's block "
         "size); 0 serves plain batched decoding.",
+    ),
+    dspark_suffix: bool = typer.Option(
+        False,
+        "--dspark-suffix",
+        help="Serve --model with no drafter: suffix drafts from each request's "
+        "text and (scope global) from every request's output, verified "
+        "losslessly.",
+        metavar="",
+    ),
+    dspark_suffix_scope: str = typer.Option(
+        "global",
+        "--dspark-suffix-scope",
+        help="global (one store per served model shared by all requests, "
+        "written live) | request (each request drafts from its own text "
+        "only, so requests never inform each other's timing).",
+    ),
+    dspark_suffix_store: str = typer.Option(
+        "none",
+        "--dspark-suffix-store",
+        help="With --dspark-suffix-scope global: none (the default, in memory), "
+        "auto (read at start from the user cache, suffix/<tokenizer "
+        "fingerprint>.npz, written back when the server stops) or a file path.",
     ),
     dspark_adaptive: bool = typer.Option(
         True,
@@ -112,7 +135,7 @@ def _cli(
     from ..loading import load
     from ..policy.profile import get_profile, load_profile, trusted
     from ..policy.settings import build_settings
-    from ..serving import BatchEngine, EngineConfig, ServerSettings, make_server
+    from ..serving import BatchEngine, EngineConfig
 
     level = getattr(logging, log_level.upper(), None)
     if not isinstance(level, int):
@@ -120,8 +143,26 @@ def _cli(
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(message)s")
     if model is None and draft_model is not None:
         raise DSparkError("--draft-model needs --model (the target it drafts for).")
-    if model is not None and draft_model is None:
-        raise DSparkError("--model needs a DSpark --draft-model.")
+    if dspark_suffix and draft_model is not None:
+        raise DSparkError(
+            "--dspark-suffix cannot be combined with a drafter yet; drop "
+            "--draft-model to draft from the text alone."
+        )
+    if model is not None and draft_model is None and not dspark_suffix:
+        raise DSparkError(
+            "--model needs a DSpark --draft-model (or --dspark-suffix to serve "
+            "it with suffix drafts)."
+        )
+    if dspark_suffix_scope not in SCOPES:
+        raise DSparkError(
+            "--dspark-suffix-scope must be global or request, got "
+            f"{dspark_suffix_scope!r}."
+        )
+    if dspark_suffix_scope == "request" and dspark_suffix_store != "none":
+        raise DSparkError(
+            "--dspark-suffix-store keeps the global store; it needs "
+            "--dspark-suffix-scope global."
+        )
     if max_batch < 1:
         raise DSparkError(f"--decode-concurrency must be at least 1, got {max_batch}.")
     if prefill_step_size < 1:
@@ -152,6 +193,8 @@ def _cli(
         raise DSparkError(
             f"--dspark-profile must be auto, refresh or none, got {dspark_profile!r}."
         )
+    if dspark_suffix:
+        return _serve_suffix(locals())
     loaded, tokenizer, drafter = load(
         model,
         draft_model,
@@ -192,16 +235,92 @@ def _cli(
             sampling=dspark_sampling,
         ),
     )
+    _serve(engine, tokenizer, locals())
+
+
+def _serve_suffix(flags: dict) -> None:
+    """Serve ``--model`` (or the default pair's target) with suffix drafts and
+    no drafter: one global store shared by all requests (scope global), or
+    each request's own text only (scope request)."""
+    from ..loading import load
+    from ..policy.settings import build_settings
+    from ..proposers.suffix import SUFFIX_MAX_DRAFT, SuffixProposer
+    from ..proposers.suffix_files import ProcessStore, process_store
+    from ..proposers.suffix_store import SuffixStore
+    from ..serving import BatchEngine, EngineConfig
+
+    target = flags["model"]
+    if target is None:  # the default pair's target, without its drafter
+        from ..pairs.default import named_pair
+
+        target = named_pair(None)[0]
+    loaded, tokenizer, _ = load(
+        target,
+        None,
+        adapter_path=flags["adapter_path"],
+        trust_remote_code=flags["trust_remote_code"],
+    )
+    if flags["model"] is None:
+        print(
+            "No --model given: serving the built-in default pair's target, "
+            "SmolLM2-135M-Instruct, with suffix drafts.",
+            file=sys.stderr,
+        )
+    num_draft = flags["dspark_n_draft"]
+    build_settings(SUFFIX_MAX_DRAFT, num_draft, names={"num_draft": "--dspark-n-draft"})
+    kept: ProcessStore | None = None
+    store = None
+    if flags["dspark_suffix_scope"] == "global":
+        if flags["dspark_suffix_store"] == "none":
+            store = SuffixStore()
+        else:
+            kept = process_store(tokenizer, tokenizer, flags["dspark_suffix_store"])
+            store = kept.store
+            if kept.note:
+                print(kept.note, file=sys.stderr)
+    engine = BatchEngine(
+        loaded,
+        tokenizer,
+        None,
+        EngineConfig(
+            num_draft=num_draft,
+            adaptive=flags["dspark_adaptive"],
+            max_batch=flags["max_batch"],
+            prefill_step_size=flags["prefill_step_size"],
+            prompt_cache_size=flags["prompt_cache_size"],
+            prompt_cache_bytes=flags["cache_bytes"],
+            sampling=flags["dspark_sampling"],
+        ),
+        proposer=SuffixProposer(0, store=store),
+    )
+    engine.proposer.vocab_size = engine.target.vocab_size  # the logits' width
+    try:
+        _serve(engine, tokenizer, flags)
+    finally:
+        failed = None if kept is None else kept.save()
+        if failed:
+            print(failed, file=sys.stderr)
+
+
+def _serve(engine, tokenizer, flags: dict) -> None:
+    """Bind and serve until interrupted; the engine stops at the end."""
+    from ..serving import ServerSettings, make_server
+
+    model, context_length = flags["model"], flags["context_length"]
+    if context_length is None:
+        args = getattr(engine.model, "args", None)
+        context_length = int(getattr(args, "max_position_embeddings", 0) or 4096)
+    host, port = flags["host"], flags["port"]
     settings = ServerSettings(
         model_name=model or "default_model",
         context_length=context_length,
-        max_tokens=max_tokens,
-        temperature=temp,
-        top_p=top_p,
-        top_k=top_k,
-        min_p=min_p,
-        chat_template_args=template_args,
-        allowed_origins=tuple(o.strip() for o in allowed_origins.split(",")),
+        max_tokens=flags["max_tokens"],
+        temperature=flags["temp"],
+        top_p=flags["top_p"],
+        top_k=flags["top_k"],
+        min_p=flags["min_p"],
+        chat_template_args=flags["template_args"],
+        allowed_origins=tuple(o.strip() for o in flags["allowed_origins"].split(",")),
     )
     try:
         server = make_server(engine, tokenizer, settings, host, port)

@@ -40,6 +40,7 @@ class RoundStats:
     wall_time: float = 0.0
     copy_offered: bool = False  # the context had a copy for this round
     phrases_offered: bool = False  # the copy came from the phrase store
+    source: str = ""  # the offer's word on where the draft came from
 
 
 # The kinds of rounds, in the order a summary lists them: plain (no drafts),
@@ -382,6 +383,7 @@ def speculative_generate_step(
                 wall_time=now - ended,
                 copy_offered=offer.copy,
                 phrases_offered=offer.phrases,
+                source=offer.source,
             )
         )
         ended = now

@@ -46,6 +46,14 @@ the drafter's own guesses rather than a plain round
 (:meth:`AdaptivePolicy.best_length`): a store's copy the policy declines
 leaves the round to the kind without a copy.
 
+With suffix drafts and a drafter (``suffix``,
+:class:`~mlx_dspark.proposers.suffix.SuffixPairProposer`), the copies are suffix
+drafts from the request's index (the copy kind) or the drafter's phrase store
+(the phrase-store kind), verified as they are: their rounds are priced
+without the drafter's pass, and both kinds' alternative is the best of the
+drafter's own block and a plain round, so each round takes whichever of the
+three predicts the most tokens per second.
+
 The choice is made before drafting from past rounds only, so it cannot
 depend on the drafts it admits: lossless like any fixed length. With an STS
 calibration, Algorithm 1 (:func:`~mlx_dspark.policy.scheduler.schedule`) then cuts
@@ -146,6 +154,7 @@ class AdaptivePolicy(RecordingPolicy):
     text: RoundKind = field(default_factory=RoundKind)  # rounds without a copy
     copies: RoundKind = field(default_factory=RoundKind)  # rounds offered one
     phrases: RoundKind = field(default_factory=RoundKind)  # offered the store's
+    suffix: bool = False  # copies are suffix drafts verified as they are
     last_drafted: bool = False
     explored_at: int = 0  # the round of the last exploration
     _offered: bool = False  # the coming round is offered a copy
@@ -174,6 +183,12 @@ class AdaptivePolicy(RecordingPolicy):
         """The kind of a round offered a copy or not, and whether it is the
         phrase store's (the loop's flags)."""
         return self.phrases if phrases else self.copies if copy else self.text
+
+    def _as_is(self, kind: RoundKind) -> bool:
+        """Whether rounds of ``kind`` verify a suffix draft as it is: no
+        drafter pass, and the drafter's block (or a plain round) as their
+        alternative."""
+        return self.suffix and kind is not self.text
 
     def _counts(self, k: int, kind: RoundKind) -> tuple[float, float, float]:
         """Position ``k``'s decayed kept and rejected counts and prior weight."""
@@ -209,12 +224,13 @@ class AdaptivePolicy(RecordingPolicy):
         p = min(
             1.0, p + self.optimism * (p * (1.0 - p) / (weight + s + f + 1.0)) ** 0.5
         )
-        plain, one = self.round_costs(1)
+        plain, one = self.round_costs(1, not self._as_is(kind))
         return (1.0 + p) / one > (1.0 / plain if beat is None else beat)
 
-    def round_costs(self, cap: int) -> list[float]:
-        """Predicted seconds of a round verifying n = 0..cap drafts."""
-        return self.costs.costs(cap)
+    def round_costs(self, cap: int, drafter: bool = True) -> list[float]:
+        """Predicted seconds of a round verifying n = 0..cap drafts (drafted
+        by the drafter, or not: a suffix draft verified as it is)."""
+        return self.costs.costs(cap, drafter)
 
     def _rates(self, costs: list[float], kind: RoundKind | None) -> list[float]:
         rates, expected, survive = [1.0 / costs[0]], 1.0, 1.0
@@ -226,7 +242,8 @@ class AdaptivePolicy(RecordingPolicy):
 
     def predicted_rates(self, cap: int, kind: RoundKind | None = None) -> list[float]:
         """Predicted tokens per second for n = 0..cap drafts per round."""
-        return self._rates(self.round_costs(cap), kind)
+        drafter = kind is None or not self._as_is(kind)
+        return self._rates(self.round_costs(cap, drafter), kind)
 
     def exploration(self, cap: int, kind: RoundKind | None = None) -> int | None:
         """A length to try this round although it is not the best predicted:
@@ -282,10 +299,11 @@ class AdaptivePolicy(RecordingPolicy):
         kind = self.text if kind is None else kind
         reach = max(kind.kept, default=1) + 1
         rates = self.predicted_rates(min(cap, 2 * reach), kind)
-        phrases = kind is self.phrases
+        phrases = kind is self.phrases or self._as_is(kind)
         if phrases:
             own_reach = max(self.text.kept, default=1) + 1
-            rates[0] = max(self.predicted_rates(min(cap, 2 * own_reach)))
+            own_cap = self.text.cap if self.text.cap > 0 else cap
+            rates[0] = max(self.predicted_rates(min(own_cap, 2 * own_reach)))
         best = 0.99 * max(rates)
         length = max(n for n, rate in enumerate(rates) if rate >= best)
         beat = rates[0] if phrases else None
@@ -327,7 +345,7 @@ class AdaptivePolicy(RecordingPolicy):
             kind.stale = False
             probed, kind.probing = kind.probing, False
             trial = None
-            if kind is not self.phrases and not probed:
+            if kind is not self.phrases and not self._as_is(kind) and not probed:
                 trial = self.exploration(cap, kind)
             if trial is not None and trial != kind.choice:
                 kind.stale = True  # decide again after the trial
@@ -382,9 +400,12 @@ class AdaptivePolicy(RecordingPolicy):
     def observe(self, proposal: Proposal, round_stats: RoundStats) -> None:
         super().observe(proposal, round_stats)
         steady, self.last_drafted = self.last_drafted, round_stats.drafted > 0
-        self.costs.observe(round_stats, steady)
+        as_is = self.suffix and round_stats.copy_offered and self.last_drafted
+        self.costs.observe(round_stats, steady, drafter=not as_is)
         if not self.last_drafted:
             return
         kind = self._kind(round_stats.copy_offered, round_stats.phrases_offered)
+        if self._as_is(kind):  # the drafter did not run
+            self.last_drafted = False
         kind.add(round_stats.verified, round_stats.accepted, self.decay)
         kind.stale = True

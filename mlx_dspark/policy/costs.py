@@ -111,6 +111,9 @@ class RoundCosts:
     # The drafter's own block in steady rounds (a copy may skip the drafter),
     # and what was measured since the last write-back (take_measured).
     own_drafting: deque = field(default_factory=deque)
+    # Rounds that verified a draft without running the drafter (suffix drafts
+    # with a drafter): their proposing time.
+    undrafted: deque = field(default_factory=deque)
     unsaved: dict = field(default_factory=dict)  # q, "draft", "plain": rounds
 
     def __post_init__(self) -> None:
@@ -120,16 +123,19 @@ class RoundCosts:
         self.catching_up = deque(self.catching_up, maxlen=self.window)
         self.host = deque(self.host, maxlen=self.drafted_window)
         self.own_drafting = deque(self.own_drafting, maxlen=self.drafted_window)
+        self.undrafted = deque(self.undrafted, maxlen=self.drafted_window)
         self.unsaved = dict(self.unsaved)
 
     def copy(self) -> RoundCosts:
         """An independent copy (a later generation starts from it)."""
         return replace(self)
 
-    def observe(self, stats: RoundStats, steady: bool) -> None:
+    def observe(self, stats: RoundStats, steady: bool, drafter: bool = True) -> None:
         """Record a finished round. ``steady``: a drafted round that follows a
         drafted round (the first one after a plain run also feeds the drafter
-        all the context since, so its drafting time is only an upper bound)."""
+        all the context since, so its drafting time is only an upper bound).
+        ``drafter``: whether the drafter ran (not for a draft verified as it
+        is, whose proposing time is kept apart)."""
         self.rounds += 1
         if stats.drafted == 0:
             self.plain.append(stats.wall_time or stats.verify_time)
@@ -139,8 +145,13 @@ class RoundCosts:
         times = self.verify.setdefault(q, deque(maxlen=self.window))
         times.append((self.rounds, stats.verify_time))
         self._unsaved(q)
-        (self.drafting if steady else self.catching_up).append(stats.draft_time)
-        if steady and not stats.copy_offered:
+        if not drafter:
+            self.undrafted.append(stats.draft_time)
+        elif steady:
+            self.drafting.append(stats.draft_time)
+        else:
+            self.catching_up.append(stats.draft_time)
+        if drafter and steady and not stats.copy_offered:
             self.own_drafting.append(stats.draft_time)
             self._unsaved("draft")
         if stats.wall_time:
@@ -262,8 +273,9 @@ class RoundCosts:
             return min(prior, median(self.catching_up))
         return prior
 
-    def costs(self, cap: int) -> list[float]:
-        """Predicted seconds of a round verifying n = 0..cap drafts."""
+    def costs(self, cap: int, drafter: bool = True) -> list[float]:
+        """Predicted seconds of a round verifying n = 0..cap drafts (with
+        ``drafter=False``, drafts proposed without running the drafter)."""
         verify = self.verify_seconds(list(range(1, cap + 2)))
         host = self.host_seconds()
         measured = self.measured()
@@ -280,6 +292,8 @@ class RoundCosts:
             votes = [*self.plain, *[plain] * (self.window - len(self.plain))]
             plain = self._measured_plain(measured, median(votes))
         draft = self.draft_seconds()
+        if not drafter:
+            draft = median(self.undrafted) if self.undrafted else 0.0
         return [plain] + [draft + v + host for v in verify[1:]]
 
     def _stored_plain(self, measured: dict[int, float]) -> float | None:

@@ -191,9 +191,12 @@ def resolve_policy(
     settings: SpeculationSettings,
     memory_source=None,
     progress: Callable[[int, int], None] | None = None,
+    suffix: bool = False,
 ) -> ResolvedPolicy:
     """Build the draft policy ``settings.policy`` names for this pair (see
     :func:`~mlx_dspark.policy.settings.build_settings`, which decides it).
+    ``suffix``: the pair's copies are suffix drafts verified as they are
+    (:class:`~mlx_dspark.proposers.suffix.SuffixPairProposer`).
 
     ``adaptive`` and ``auto`` use the pair's calibration when there is one
     (``auto`` uses raw confidences otherwise) and the pair's cost profile,
@@ -213,7 +216,7 @@ def resolve_policy(
         from .adaptive import AdaptivePolicy
 
         longest = settings.num_draft
-        if copies(drafter):
+        if copies(drafter) or suffix:
             longest = settings.copy_draft or longest
         guard = MemoryGuard.from_settings(knobs, longest, memory_source)
         earlier = drafter.policy_memory
@@ -226,8 +229,9 @@ def resolve_policy(
             curve,
             guard,
             prior=None if found is None else found[0].acceptance(),
+            suffix=suffix,
         )
-        if earlier is not None:
+        if earlier is not None and earlier.suffix == suffix:
             policy.remember(earlier)
         drafter.policy_memory = policy
         used = cached_profile_path(model, drafter)

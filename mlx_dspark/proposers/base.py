@@ -140,7 +140,9 @@ class Offer:
     ``phrases`` are the kind, as the draft policy's ``round_cap`` and the
     round's stats name it (a copy from the context, one from the phrase
     store; neither: the proposer's own guesses). ``payload`` is the
-    proposer's own (what it found). When the policy gives an offer a cap of
+    proposer's own (what it found); ``source`` a word on where the draft
+    comes from, which the round's stats keep (the suffix proposer's
+    ``"request"`` or ``"global"``). When the policy gives an offer a cap of
     0 the round is plain, unless ``declinable``: then the next offer is
     asked.
     """
@@ -150,6 +152,7 @@ class Offer:
     phrases: bool = False
     declinable: bool = False
     payload: Any = None
+    source: str = ""
 
 
 @dataclass

@@ -20,18 +20,33 @@ With ``tree=True`` the store's best-first tree is offered instead, and
 row a point mass on its own token) that
 :class:`~mlx_dspark.decoding.modes.TreeMode` verifies as it is. The proposer
 never reads the target's features.
+
+With a drafter, :class:`SuffixPairProposer` offers the suffix draft first
+(declinable: the policy may leave the round to the drafter), verified as it
+is without running the drafter, then the drafter's own block; a round the
+policy gives neither is a plain step. The drafter's pair's phrase store
+(``phrases.npy``) is the global part there, pre-filled and read-only
+(:func:`phrase_suffix_store`): a draft from it is offered as a phrase-store
+copy (``Offer(phrases=True)``), one from the request's index as a context copy,
+so the policy measures the two apart.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 import numpy as np
 
-from .base import Offer, Proposal, Round, point_mass
-from .copying import copied_proposal
-from .suffix_store import SuffixConfig, SuffixDraft, SuffixRequest, SuffixStore
+from .base import Backlog, Offer, Proposal, Proposer, Round, point_mass
+from .copying import Drafter, copied_proposal, own_proposer
+from .suffix_store import (
+    SuffixConfig,
+    SuffixDraft,
+    SuffixRequest,
+    SuffixStore,
+    draft_from_match,
+)
 
 # Drafts a suffix round may verify at most (the default SuffixConfig's).
 SUFFIX_MAX_DRAFT = SuffixConfig().max_draft
@@ -101,9 +116,13 @@ class SuffixProposer:
     store: SuffixStore | None = None
     tree: bool = False
     tree_budget: int = SUFFIX_MAX_DRAFT
+    _open: list[SuffixState] = field(default_factory=list, repr=False)
 
     def make_state(self) -> SuffixState:
-        return SuffixState()
+        state = SuffixState()
+        if self.store is not None:
+            self._open.append(state)  # until closed
+        return state
 
     def offer(self, state: SuffixState, tokens: list[int], longest: int) -> list[Offer]:
         """The suffix draft of the committed ``tokens`` as a copy, at most
@@ -114,7 +133,9 @@ class SuffixProposer:
         if len(draft) == 0 or longest <= 0:
             return [Offer(0)]
         deepest = int(depths(draft.parents).max())
-        return [Offer(min(longest, deepest), copy=True, payload=draft)]
+        return [
+            Offer(min(longest, deepest), copy=True, payload=draft, source=draft.source)
+        ]
 
     def propose(self, state: SuffixState, round: Round) -> Proposal:
         """The offered draft's first ``round.cap`` tokens, as point masses (a
@@ -137,10 +158,24 @@ class SuffixProposer:
             )
         return tree_proposal(draft, round.cap, self.vocab_size)
 
-    def close(self, state: SuffixState) -> None:
-        """Finish the generation's document in the global store (if any)."""
-        if state.request is not None:
-            state.request.close()
+    def close(self, state: SuffixState, tokens: list[int] | None = None) -> None:
+        """Finish the generation's document in the global store (if any),
+        after adding what ``tokens`` (every committed token, the prompt's
+        included, as :meth:`offer` takes them) holds beyond the last offer.
+        Closing twice does nothing."""
+        if any(s is state for s in self._open):
+            self._open = [s for s in self._open if s is not state]
+        if state.request is None:
+            return
+        if tokens is not None and state.request.doc is not None:
+            state.sync(tokens, self.store, self.config)
+        state.request.close()
+
+    def close_all(self, tokens: list[int] | None = None) -> None:
+        """Close every state made and not closed yet (a generation's one,
+        with its ``tokens``)."""
+        for state in list(self._open):
+            self.close(state, tokens)
 
 
 def chain_of(draft: SuffixDraft) -> np.ndarray:
@@ -155,3 +190,113 @@ def chain_of(draft: SuffixDraft) -> np.ndarray:
         path.append(node)
         node = int(parents[node])
     return draft.tokens[path[::-1]]
+
+
+@dataclass
+class PairState:
+    """One generation's state of a :class:`SuffixPairProposer`: the
+    drafter's (with the features of the rounds it did not draft) and the
+    request's suffix index."""
+
+    backlog: Backlog
+    suffix: SuffixState = field(default_factory=SuffixState)
+
+
+@dataclass
+class SuffixPairProposer:
+    """Suffix drafts and a drafter's block, chosen round by round.
+
+    :meth:`offer` offers the suffix draft of the committed tokens (a chain:
+    the request's index's, or ``store``'s when that scores higher), as a
+    declinable copy at most as long as the draft, then ``inner``'s own
+    block. A round given the suffix draft verifies it as it is, each token
+    drawn from a point mass on itself, without running ``inner``, which
+    takes that round's features with the next round it drafts. ``store`` is
+    read, never written: a generation's output stays in its own index.
+    ``longest``: the most drafts of a suffix round (None: the loop's
+    ``num_draft``).
+    """
+
+    inner: Proposer
+    vocab_size: int
+    store: SuffixStore | None = None
+    config: SuffixConfig = field(default_factory=SuffixConfig)
+    longest: int | None = None
+
+    @property
+    def phrases(self) -> SuffixStore | None:
+        """The global store (the loop asks whether offers may come from one)."""
+        return self.store
+
+    def make_state(self) -> PairState:
+        return PairState(Backlog(self.inner.make_state()))
+
+    def draft(self, state: PairState, tokens: list[int], longest: int) -> SuffixDraft:
+        """The better chain of the request's index and the store (the
+        request's on a tie), at most ``longest`` tokens."""
+        request = state.suffix.sync(tokens, None, self.config)
+        size = max(0, min(longest, self.config.max_draft))
+        local = request.propose(max_tokens=size)
+        if self.store is None or size == 0:
+            return local
+        config, context = self.config, request.index.tokens
+        found = self.store.match(context, config.max_depth, config.max_occurrences)
+        shared = draft_from_match(found, config, False, size, "global")
+        return local if local.score >= shared.score else shared
+
+    def offer(self, state: PairState, tokens: list[int], longest: int) -> list[Offer]:
+        """The suffix draft (declinable), then the drafter's own block."""
+        own = Offer(longest)
+        draft = self.draft(state, tokens, self.longest or longest)
+        if len(draft) == 0:
+            return [own]
+        phrases = draft.source == "global"
+        found = Offer(len(draft), True, phrases, declinable=True, payload=draft)
+        return [found, own]
+
+    def propose(self, state: PairState, round: Round) -> Proposal:
+        draft = None if round.offer is None else round.offer.payload
+        if draft is None:
+            proposal = self.inner.propose(
+                state.backlog.inner, state.backlog.take(round)
+            )
+            if proposal.top_logprob is None:
+                return proposal
+            copied = mx.zeros(proposal.tokens.shape, mx.bool_)
+            return replace(proposal, copied=copied)
+        state.backlog.skip(round)
+        tokens = draft.tokens[: round.cap]
+        return copied_proposal(mx.array(tokens[None]), self.vocab_size)
+
+
+def phrase_suffix_store(drafter: Drafter) -> SuffixStore | None:
+    """The drafter's phrase store (``phrases.npy``, loaded as
+    ``drafter.phrase_store``) as a pre-filled global :class:`SuffixStore`,
+    built once per drafter; None when it has none."""
+    phrases = getattr(drafter, "phrase_store", None)
+    if phrases is None:
+        return None
+    built = getattr(drafter, "suffix_phrases", None)
+    if built is not None and built[0] is phrases:
+        return built[1]
+    tokens = np.asarray(phrases.tokens, np.int64)
+    ends = np.flatnonzero(tokens < 0)
+    starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64)
+    documents = [tokens[s:e] for s, e in zip(starts, ends, strict=True) if e > s]
+    store = SuffixStore(max(2_000_000, tokens.size), max(100_000, len(documents)))
+    store.add_documents(documents)
+    drafter.suffix_phrases = (phrases, store)
+    return store
+
+
+def suffix_pair_proposer(drafter: Drafter, longest: int | None = None) -> Proposer:
+    """The proposer of a drafter's pair with suffix drafts (see
+    :class:`SuffixPairProposer`): the drafter's own block, unbiased (the
+    suffix draft verified as it is stands in for the copy bias), and the
+    drafter's phrase store as the global part."""
+    return SuffixPairProposer(
+        own_proposer(drafter),
+        drafter.config.vocab_size,
+        phrase_suffix_store(drafter),
+        longest=longest,
+    )

@@ -558,11 +558,13 @@ class SuffixStore:
         context: Sequence[int] | np.ndarray,
         max_depth: int = 64,
         max_occurrences: int | None = None,
+        exclude: int | None = None,
     ) -> SuffixMatch | None:
         """The longest suffix of ``context`` (at most ``max_depth`` tokens)
         that occurs in a stored document followed by a token, with its
         occurrences (all, or at least the ``max_occurrences`` most recent);
-        None when not even the last token does."""
+        None when not even the last token does. ``exclude``: a live document
+        left out (a request's own, which its own index holds already)."""
         rev = _reversed_context(context, max_depth)
         found: list[tuple[int, _Group]] = []
         for run in self._runs:
@@ -571,6 +573,8 @@ class SuffixStore:
         if pending is not None:
             found.append(pending.match(rev, self._first_alive, max_occurrences))
         for doc, buffer in self._live.items():
+            if doc == exclude:
+                continue
             length, positions = _scan(buffer.data, buffer.size, rev)
             if length:
                 positions = _recent(positions, max_occurrences)
@@ -902,14 +906,18 @@ class SuffixRequest:
 
     def propose(self, tree: bool = False, max_tokens: int | None = None) -> SuffixDraft:
         """The better (higher :attr:`SuffixDraft.score`; the request's on a
-        tie) of the drafts from the request's index and the global store."""
+        tie) of the drafts from the request's index and the global store
+        (other documents than the request's own: ``source`` "global" is
+        always text written elsewhere)."""
         context = self.index.tokens
         depth = self.config.max_depth
         found = self.index.match(context, depth, self.config.max_occurrences)
         local = draft_from_match(found, self.config, tree, max_tokens, "request")
         if self.store is None:
             return local
-        found = self.store.match(context, depth, self.config.max_occurrences)
+        found = self.store.match(
+            context, depth, self.config.max_occurrences, exclude=self.doc
+        )
         shared = draft_from_match(found, self.config, tree, max_tokens, "global")
         return local if local.score >= shared.score else shared
 

@@ -703,6 +703,7 @@ def metrics_text(engine: BatchEngine) -> str:
             "Tokens generated.",
             s.generated_tokens,
         ),
+        *(_suffix_metrics(s) if engine.offers else ()),
     ):
         lines += [
             f"# HELP {name} {help_text}",
@@ -710,6 +711,49 @@ def metrics_text(engine: BatchEngine) -> str:
             f"{name} {value}",
         ]
     return "\n".join(lines) + "\n"
+
+
+def _suffix_metrics(s) -> tuple:
+    """The ``dspark_suffix_*`` metrics of an engine drafting suffix drafts."""
+    return (
+        (
+            "dspark_suffix_rounds_total",
+            "counter",
+            "Request rounds that verified a suffix draft.",
+            s.suffix_rounds,
+        ),
+        (
+            "dspark_suffix_accepted_tokens_total",
+            "counter",
+            "Suffix draft tokens accepted.",
+            s.suffix_accepted,
+        ),
+        (
+            "dspark_suffix_global_rounds_total",
+            "counter",
+            "Request rounds whose suffix draft came from the global store "
+            "(other requests' output).",
+            s.suffix_global_rounds,
+        ),
+        (
+            "dspark_suffix_global_accepted_tokens_total",
+            "counter",
+            "Suffix draft tokens accepted from the global store.",
+            s.suffix_global_accepted,
+        ),
+        (
+            "dspark_suffix_store_tokens",
+            "gauge",
+            "Tokens held by the global suffix store.",
+            s.suffix_store_tokens,
+        ),
+        (
+            "dspark_suffix_store_documents",
+            "gauge",
+            "Responses held by the global suffix store.",
+            s.suffix_store_documents,
+        ),
+    )
 
 
 class DSparkHTTPServer(ThreadingHTTPServer):

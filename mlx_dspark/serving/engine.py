@@ -41,6 +41,7 @@ from ..policy.telemetry import Telemetry
 from ..proposers.base import Proposal, Proposer, Round, joined
 from ..proposers.copying import Drafter, context_bias, pair_proposer
 from ..proposers.dspark import DSparkDrafter
+from ..proposers.suffix import SUFFIX_MAX_DRAFT
 from ..sampling.coupled import TokenKeys, resolve_sampling
 from ..sampling.processing import SamplingParams
 from ..targets.adapter import BatchRow, RequestBatch, TargetAdapter
@@ -120,6 +121,7 @@ class _Slot:
     # the prompt cache, their features.
     context: list[int] = field(default_factory=list)
     context_features: list = field(default_factory=list)
+    source: str = ""  # where this step's draft came from (the offer's word)
 
     @property
     def request(self) -> GenerationRequest:
@@ -150,6 +152,15 @@ class EngineStats:
     drafts_accepted: int = 0
     active: int = 0
     waiting: int = 0
+    # Suffix drafts (a SuffixProposer): request rounds that verified one and
+    # the draft tokens they kept; of them, drafts from the global store
+    # (other requests' output); the store's size after the last step.
+    suffix_rounds: int = 0
+    suffix_accepted: int = 0
+    suffix_global_rounds: int = 0
+    suffix_global_accepted: int = 0
+    suffix_store_tokens: int = 0
+    suffix_store_documents: int = 0
 
     @property
     def mean_batch(self) -> float:
@@ -430,13 +441,20 @@ class BatchEngine:
     of the drafter's batched backbone; ``drafter`` still names the pair
     (its target layers, block and calibration). An EAGLE-3 ``drafter``
     always goes through its pair's proposer.
+
+    ``drafter=None`` with a ``proposer`` that offers its drafts (a
+    :class:`~mlx_dspark.proposers.suffix.SuffixProposer`): drafts with no
+    drafter; each request's offered draft is verified as it is (up to the
+    step's cap), the proposer is kept up to date with every committed token
+    (also in steps that do not draft) and its ``close`` is called when a
+    request ends. All its calls are made on the engine thread.
     """
 
     def __init__(
         self,
         model: nn.Module,
         tokenizer,
-        drafter: Drafter,
+        drafter: Drafter | None,
         config: EngineConfig | None = None,
         memory_source=None,
         proposer: Proposer | None = None,
@@ -448,25 +466,32 @@ class BatchEngine:
         # None: the drafter's own proposals, its backbone batched over the
         # requests (with its pair's context copying). Only a DSpark
         # drafter batches: an EAGLE-3 one proposes for each request alone.
+        if drafter is None and getattr(proposer, "offer", None) is None:
+            raise ValueError("an engine with no drafter needs a proposer that offers")
         if proposer is None and not isinstance(drafter, DSparkDrafter):
             proposer = pair_proposer(drafter)
         self.proposer = proposer
+        self.offers = drafter is None
         self.config = config or EngineConfig()
-        self.target = TargetAdapter(model, drafter.config.target_layer_ids)
+        if drafter is None:
+            self.target = TargetAdapter(model)  # no feature taps
+        else:
+            self.target = TargetAdapter(model, drafter.config.target_layer_ids)
         # Sliding-window and recurrent caches stay per request (forward_batch).
         self.batch = RequestBatch() if self.target.plain_kv else None
         # Gemma-4 drafters run their own RoPE; they draft one request at a time.
-        self.batch_drafts = not drafter.config.is_gemma4
+        self.batch_drafts = drafter is None or not drafter.config.is_gemma4
         self.eos = set(int(t) for t in getattr(tokenizer, "eos_token_ids", ()))
+        block_size = SUFFIX_MAX_DRAFT if drafter is None else drafter.block_size
         speculation = build_settings(
-            drafter.block_size,
+            block_size,
             self.config.num_draft,
             scheduler="auto",
             base=self.config.settings,
         )
         settings = speculation.scheduler
         self.n_max = settings.n_max(speculation.num_draft)
-        found = find_calibration(model, drafter)
+        found = None if drafter is None else find_calibration(model, drafter)
         guard = None
         if self.n_max > 0:
             guard = MemoryGuard.from_settings(settings, self.n_max, memory_source)
@@ -631,7 +656,8 @@ class BatchEngine:
         kv = self.target.snapshot(slot.cache)
         if kv is None:
             return
-        features = slot.context_features
+        # No feature taps (no drafter): the features are None.
+        features = [f for f in slot.context_features if f is not None]
         features = mx.concatenate(features, axis=1) if features else None
         if features is not None:
             mx.eval(features)
@@ -731,6 +757,10 @@ class BatchEngine:
         if any(caps) and gate is not None and not gate.should_draft(len(slots)):
             caps = [0] * len(slots)
         proposals = self._draft(slots, caps)
+        # What each request has to verify (an offered draft may be shorter).
+        caps = [
+            min(c, int(p.tokens.shape[1])) for c, p in zip(caps, proposals, strict=True)
+        ]
         lazy = []
         for slot, proposal in zip(slots, proposals, strict=True):
             lazy += [proposal.tokens, proposal.confidence]
@@ -796,15 +826,23 @@ class BatchEngine:
                 draft_time=drafted - tic,
                 verify_time=verified - drafted,
                 wall_time=verified - tic,
+                copy_offered=bool(self.offers and chain),
+                source=slot.source if chain else "",
             )
             slot.rounds.append(round_stats)
             slot.batch_sizes += len(slots)
             self.policy.observe(proposal, round_stats)
             self.stats.drafts_verified += len(chain)
             self.stats.drafts_accepted += result.accepted
+            if self.offers and chain:
+                self._count_suffix(slot.source, result.accepted)
             committed_now += len(tokens)
             self._emit(slot, tokens, logprobs)
         mx.eval(kept)  # copies: the step's whole features are not kept alive
+        store = getattr(self.proposer, "store", None)
+        if store is not None:
+            self.stats.suffix_store_tokens = store.num_tokens
+            self.stats.suffix_store_documents = store.num_documents
         if gate is not None and self.n_max:
             seconds = time.perf_counter() - tic
             gate.record(len(slots), committed_now, seconds, any(caps))
@@ -887,7 +925,15 @@ class BatchEngine:
 
     def _propose(self, slot: _Slot, cap: int) -> Proposal:
         """One request's chain from ``self.proposer`` (empty when ``cap`` is
-        0), lazily."""
+        0), lazily. A proposer that offers is given the committed tokens
+        every step, and its offered draft is verified (at most ``cap``)."""
+        history = [*slot.context, slot.anchor]
+        offer = None
+        slot.source = ""
+        if self.offers:
+            offer = self.proposer.offer(slot.draft_cache, history, cap)[0]
+            cap = min(cap, offer.longest)
+            slot.source = offer.source
         if cap == 0:
             return _empty_proposal()
         params = slot.request.params
@@ -897,9 +943,16 @@ class BatchEngine:
             key = slot.rng.peek(cap)  # coupled: the tokens' keys
         else:
             slot.key, key = mx.random.split(slot.key)
-        history = [*slot.context, slot.anchor]
-        round = Round(history, joined(slot.unseen), cap, params, key)
+        round = Round(history, joined(slot.unseen), cap, params, key, offer)
         return self.proposer.propose(slot.draft_cache, round)
+
+    def _count_suffix(self, source: str, accepted: int) -> None:
+        s = self.stats
+        s.suffix_rounds += 1
+        s.suffix_accepted += accepted
+        if source == "global":
+            s.suffix_global_rounds += 1
+            s.suffix_global_accepted += accepted
 
     def _copy_bias(self, slots: list[_Slot], n: int):
         """The bias toward each request's ``n`` tokens copied from its context
@@ -944,7 +997,21 @@ class BatchEngine:
                     sum(r.accepted + 1 for r in rounds) / len(rounds) if rounds else 0.0
                 ),
                 "mean_batch_size": slot.batch_sizes / len(rounds) if rounds else 0.0,
+                **(self._suffix_usage(rounds) if self.offers else {}),
             },
+        }
+
+    @staticmethod
+    def _suffix_usage(rounds: list[RoundStats]) -> dict:
+        """The request's rounds that verified a suffix draft, and those
+        drafted from the global store (other requests' output)."""
+        suffix = [r for r in rounds if r.verified]
+        shared = [r for r in suffix if r.source == "global"]
+        return {
+            "suffix_rounds": len(suffix),
+            "suffix_accepted": sum(r.accepted for r in suffix),
+            "suffix_global_rounds": len(shared),
+            "suffix_global_accepted": sum(r.accepted for r in shared),
         }
 
     def _save_costs(self) -> bool:
@@ -983,6 +1050,10 @@ class BatchEngine:
             self._save_costs()
         if self.prompt_cache is not None and reason in ("stop", "length"):
             self._remember(slot)
+        close = getattr(self.proposer, "close", None)
+        if self.offers and close is not None and slot.draft_cache is not None:
+            # The request's document in a shared suffix store is finished.
+            close(slot.draft_cache, [*slot.context, slot.anchor])
         if isinstance(slot.cache, BatchRow):
             slot.cache.batch.leave(slot.cache)
         # Free the caches now, not when the caller drops its handle.
