@@ -4,6 +4,8 @@ import mlx_dspark  # noqa: F401  (first: it loads a system OpenBLAS before mlx.c
 # isort: on
 import mlx.core as mx
 import pytest
+from mlx_lm import load as mlx_lm_load
+from tiny_families import quantized_copy, save_family
 
 from mlx_dspark.loading import load
 from mlx_dspark.pairs.structured import PairSpec, build_structured_pair
@@ -46,3 +48,24 @@ def _private_cache(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _fresh_random_state():
     mx.random.seed(0)
+
+
+@pytest.fixture(scope="session")
+def family(tmp_path_factory):
+    """(model, tokenizer, directory) of a family, float or quantized, built once."""
+    root = tmp_path_factory.mktemp("families")
+    built = {}
+
+    def get(model_type: str, bits: int | None = None):
+        key = (model_type, bits)
+        if key not in built:
+            path = root / model_type
+            if not path.exists():
+                save_family(path, model_type)
+            if bits is not None:
+                path = quantized_copy(path, root / f"{model_type}-q{bits}", bits)
+            model, tokenizer = mlx_lm_load(str(path))
+            built[key] = (model, tokenizer, path)
+        return built[key]
+
+    return get

@@ -23,7 +23,6 @@ from tiny_families import (
     VOCAB,
     WINDOW,
     quantized_copy,
-    save_family,
 )
 
 from mlx_dspark import load, stream_generate
@@ -39,27 +38,6 @@ FAMILIES = sorted(CONFIGS)
 BITS = [None, 4]
 PROMPT = [5, 7, 1, 2, 9, 3, 4, 0, 2, 11, 6]
 MAX_TOKENS = 5 * WINDOW  # several windows
-
-
-@pytest.fixture(scope="session")
-def family(tmp_path_factory):
-    """(model, tokenizer, directory) of a family, float or quantized, built once."""
-    root = tmp_path_factory.mktemp("families")
-    built = {}
-
-    def get(model_type: str, bits: int | None = None):
-        key = (model_type, bits)
-        if key not in built:
-            path = root / model_type
-            if not path.exists():
-                save_family(path, model_type)
-            if bits is not None:
-                path = quantized_copy(path, root / f"{model_type}-q{bits}", bits)
-            model, tokenizer = mlx_lm_load(str(path))
-            built[key] = (model, tokenizer, path)
-        return built[key]
-
-    return get
 
 
 def plain_greedy(model, prompt, max_tokens=MAX_TOKENS) -> list[int]:

@@ -11,13 +11,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm import load as mlx_lm_load
-from mlx_lm.generate import generate_step
 from test_cli import run
+from test_families import plain_greedy
 from test_sampling import chi_square, chi_square_critical, exact_joint
 from test_seed import MAX_TOKENS as SEED_TOKENS
 from test_seed import PROMPT as SEED_PROMPT
 from test_seed import SEEDS, SETTINGS, kwargs, mlx_lm_tokens
-from tiny_families import VOCAB, WINDOW, quantized_copy, save_family
+from tiny_families import VOCAB, WINDOW
 
 from mlx_dspark import stream_generate
 from mlx_dspark.decoding.loop import GenerationStats, speculative_generate_step
@@ -31,38 +31,11 @@ from mlx_dspark.sampling.processing import SamplingParams
 from mlx_dspark.targets.adapter import TargetAdapter
 
 PROMPT = [5, 7, 1, 2, 9, 3, 4, 0, 2, 11, 6]
-MAX_TOKENS = 5 * WINDOW
+MAX_TOKENS = 5 * WINDOW  # test_families' plain_greedy default
 BITS = [None, 4]
 # A full-attention family (trees too), a sliding-window one, a hybrid
 # recurrent one.
 FAMILIES = ["qwen3", "gemma3_text", "qwen3_5"]
-
-
-@pytest.fixture(scope="module")
-def family(tmp_path_factory):
-    """(model, tokenizer, directory) of a tiny family model, built once."""
-    root = tmp_path_factory.mktemp("suffix-families")
-    built = {}
-
-    def get(model_type: str, bits: int | None = None):
-        key = (model_type, bits)
-        if key not in built:
-            path = root / model_type
-            if not path.exists():
-                save_family(path, model_type)
-            if bits is not None:
-                path = quantized_copy(path, root / f"{model_type}-q{bits}", bits)
-            model, tokenizer = mlx_lm_load(str(path))
-            built[key] = (model, tokenizer, path)
-        return built[key]
-
-    return get
-
-
-def plain_greedy(model, prompt, max_tokens=MAX_TOKENS) -> list[int]:
-    return [
-        int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)
-    ]
 
 
 def suffix_loop(model, prompt, mode=None, stats=None, **loop):

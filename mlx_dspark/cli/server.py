@@ -248,6 +248,7 @@ def _serve_suffix(flags: dict) -> None:
     from ..proposers.suffix_files import ProcessStore, process_store
     from ..proposers.suffix_store import SuffixStore
     from ..serving import BatchEngine, EngineConfig
+    from ..targets.adapter import TargetAdapter
 
     target = flags["model"]
     if target is None:  # the default pair's target, without its drafter
@@ -291,9 +292,8 @@ def _serve_suffix(flags: dict) -> None:
             prompt_cache_bytes=flags["cache_bytes"],
             sampling=flags["dspark_sampling"],
         ),
-        proposer=SuffixProposer(0, store=store),
+        proposer=SuffixProposer(TargetAdapter(loaded).vocab_size, store=store),
     )
-    engine.proposer.vocab_size = engine.target.vocab_size  # the logits' width
     try:
         _serve(engine, tokenizer, flags)
     finally:
