@@ -135,7 +135,7 @@ def _cli(
     from ..loading import load
     from ..policy.profile import get_profile, load_profile, trusted
     from ..policy.settings import build_settings
-    from ..serving import BatchEngine, EngineConfig
+    from ..serving import BatchEngine
 
     level = getattr(logging, log_level.upper(), None)
     if not isinstance(level, int):
@@ -210,9 +210,6 @@ def _cli(
     build_settings(
         drafter.block_size, dspark_n_draft, names={"num_draft": "--dspark-n-draft"}
     )  # refuses a draft count the drafter cannot make, naming the flag
-    if context_length is None:
-        args = getattr(loaded, "args", None)
-        context_length = int(getattr(args, "max_position_embeddings", 0) or 4096)
     prior = None
     if dspark_profile == "auto":
         prior = load_profile(loaded, drafter)
@@ -224,18 +221,25 @@ def _cli(
         loaded,
         tokenizer,
         drafter,
-        EngineConfig(
-            num_draft=dspark_n_draft,
-            adaptive=dspark_adaptive,
-            max_batch=max_batch,
-            prefill_step_size=prefill_step_size,
-            prior=prior,
-            prompt_cache_size=prompt_cache_size,
-            prompt_cache_bytes=cache_bytes,
-            sampling=dspark_sampling,
-        ),
+        _engine_config(locals(), dspark_n_draft, prior),
     )
     _serve(engine, tokenizer, locals())
+
+
+def _engine_config(flags: dict, num_draft: int | None, prior=None):
+    """The engine's configuration from the command's flags."""
+    from ..serving import EngineConfig
+
+    return EngineConfig(
+        num_draft=num_draft,
+        adaptive=flags["dspark_adaptive"],
+        max_batch=flags["max_batch"],
+        prefill_step_size=flags["prefill_step_size"],
+        prior=prior,
+        prompt_cache_size=flags["prompt_cache_size"],
+        prompt_cache_bytes=flags["cache_bytes"],
+        sampling=flags["dspark_sampling"],
+    )
 
 
 def _serve_suffix(flags: dict) -> None:
@@ -247,7 +251,7 @@ def _serve_suffix(flags: dict) -> None:
     from ..proposers.suffix import SUFFIX_MAX_DRAFT, SuffixProposer
     from ..proposers.suffix_files import ProcessStore, process_store
     from ..proposers.suffix_store import SuffixStore
-    from ..serving import BatchEngine, EngineConfig
+    from ..serving import BatchEngine
     from ..targets.adapter import TargetAdapter
 
     target = flags["model"]
@@ -283,15 +287,7 @@ def _serve_suffix(flags: dict) -> None:
         loaded,
         tokenizer,
         None,
-        EngineConfig(
-            num_draft=num_draft,
-            adaptive=flags["dspark_adaptive"],
-            max_batch=flags["max_batch"],
-            prefill_step_size=flags["prefill_step_size"],
-            prompt_cache_size=flags["prompt_cache_size"],
-            prompt_cache_bytes=flags["cache_bytes"],
-            sampling=flags["dspark_sampling"],
-        ),
+        _engine_config(flags, num_draft),
         proposer=SuffixProposer(TargetAdapter(loaded).vocab_size, store=store),
     )
     try:
