@@ -14,7 +14,7 @@ from ..proposers.copying import Drafter
 from ..proposers.dspark import DSparkDrafter
 from ..proposers.dspark_config import DraftConfig
 from ..proposers.eagle3_config import Eagle3Config
-from ..proposers.lookup import PHRASES_FILE, PhraseStore
+from ..proposers.suffix_store import PHRASES_FILE, SuffixStore, phrase_store
 from ..sampling.coupled import own_keys
 from ..targets.adapter import TargetAdapter
 from .weights import (
@@ -178,14 +178,13 @@ def attach_phrase_store(drafter: Drafter, path: Path) -> None:
         drafter.phrase_store = read_phrase_store(phrases, drafter.config)
 
 
-def read_phrase_store(file: Path, config: DraftConfig | Eagle3Config) -> PhraseStore:
-    """A drafter's :class:`~mlx_dspark.proposers.lookup.PhraseStore`, checked against
+def read_phrase_store(file: Path, config: DraftConfig | Eagle3Config) -> SuffixStore:
+    """A drafter's phrase store as a pre-filled global
+    :class:`~mlx_dspark.proposers.suffix_store.SuffixStore`, checked against
     its target vocabulary."""
-    try:
-        store = PhraseStore.load(file)
-    except (OSError, ValueError) as error:
-        raise DSparkError(f"{file} is not a phrase store: {error}.") from None
-    if store.tokens.size and store.tokens.max() >= config.vocab_size:
+    store = phrase_store(file)
+    largest = max((int(d.max()) for d in store.documents() if d.size), default=-1)
+    if largest >= config.vocab_size:
         raise DSparkError(
             f"{file} holds token ids beyond the target vocabulary "
             f"({config.vocab_size})."

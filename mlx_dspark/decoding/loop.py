@@ -45,7 +45,7 @@ class RoundStats:
 
 # The kinds of rounds, in the order a summary lists them: plain (no drafts),
 # the drafter's own block, a copy from the context, a copy from the phrase
-# store (:mod:`~mlx_dspark.proposers.lookup`).
+# store (:mod:`~mlx_dspark.proposers.copying`).
 ROUND_KINDS = ("plain", "own", "copy", "phrases")
 
 
@@ -138,7 +138,7 @@ class DraftPolicy(Protocol):
     Two optional methods are called when a policy has them: ``round_cap(cap,
     copy, phrases) -> int`` may lower a round's cap before drafting (it must
     not look at the round's drafts; the memory guard uses it; ``copy`` says
-    whether the round is offered a copy, see :mod:`~mlx_dspark.proposers.lookup`, and
+    whether the round is offered a copy, see :mod:`~mlx_dspark.proposers.copying`, and
     ``phrases`` whether that copy comes from the drafter's phrase store), and
     ``observe(proposal, round)`` sees every finished round (calibration,
     telemetry).

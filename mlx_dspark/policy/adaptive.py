@@ -31,7 +31,7 @@ estimate plus ``optimism`` standard errors of its decayed counts) predicts
 plain rounds faster: near the break-even acceptance a short run of rejected
 drafts says little, and once plain the policy learns only from probes.
 
-With a drafter that copies from the context (:mod:`~mlx_dspark.proposers.lookup`),
+With a drafter that copies from the context (:mod:`~mlx_dspark.proposers.copying`),
 rounds the context offers a copy and rounds it does not are two kinds, each
 with its own acceptance, chosen length, plain runs and probes (costs are
 shared): copied runs are kept far longer than the drafter's own guesses, and

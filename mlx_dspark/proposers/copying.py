@@ -1,7 +1,9 @@
 """Context copying and the phrase store, as a proposer composed with a drafter.
 
-:func:`~mlx_dspark.proposers.lookup.copy_for` finds what the context (else the phrase
-store) says comes next. A round offered such a copy (:meth:`CopyProposer.offer`)
+The copy is the suffix store's chain (:mod:`~mlx_dspark.proposers.suffix_store`):
+what the request's own text (its index over prompt and output) says comes
+next, or the drafter's phrase store (``phrases.npy``, a pre-filled global
+store) when it scores higher. A round offered such a copy (:meth:`CopyProposer.offer`)
 is drafted by the inner proposer with :class:`CopyBias` on its rows, goes on
 past the drafter's block with the copy's own tokens (:func:`follow_copy`), or,
 with ``as_is``, verifies the copy itself without running the drafter
@@ -11,7 +13,7 @@ against, so the output is unchanged; only the proposal moves.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import mlx.core as mx
@@ -20,7 +22,19 @@ import numpy as np
 from .base import Backlog, Offer, Proposal, Proposer, Round, point_mass, tree_source
 from .dspark import DrafterProposer, DSparkDrafter
 from .eagle3 import Eagle3Drafter, Eagle3Proposer
-from .lookup import PhraseStore, continuation, copy_for, offers
+from .suffix_store import (
+    SuffixConfig,
+    SuffixState,
+    SuffixStore,
+    best_chain,
+    context_copy,
+    padded,
+)
+
+# Copies need two matched tokens (one token seen before is weak evidence) and
+# may run four times the match: small targets repeat runs far longer than the
+# few tokens that start them.
+COPY_CONFIG = SuffixConfig(min_match=2, alpha=4.0, max_draft=32)
 
 
 @dataclass
@@ -121,6 +135,16 @@ def copied_proposal(copy: mx.array, vocab_size: int) -> Proposal:
 
 
 @dataclass
+class PairState:
+    """One generation's state of a drafter composed with suffix copies: the
+    drafter's (with the features of the rounds it did not draft) and the
+    request's suffix index."""
+
+    backlog: Backlog
+    suffix: SuffixState = field(default_factory=SuffixState)
+
+
+@dataclass
 class CopyProposer:
     """Context copying and the phrase store composed with ``inner``: a
     drafter's proposer (DSpark's or EAGLE-3's), whose rows a copy biases by
@@ -130,10 +154,11 @@ class CopyProposer:
     ``longest``: drafts at most in a round offered a copy (None: the
     loop's ``num_draft``); past the inner proposer's drafts they are the
     copy's own tokens. ``as_is``: a round whose copy covers all its drafts
-    verifies the copy as it is, without running ``inner``. ``phrases``: the
-    store a copy comes from when the context offers none; the policy may
-    decline its copies (:class:`~mlx_dspark.proposers.base.Offer`), leaving the
-    round to ``inner``'s own guesses.
+    verifies the copy as it is, without running ``inner``. ``phrases``: a
+    read-only global store a copy comes from when it scores higher than the
+    context's; the policy may decline its copies
+    (:class:`~mlx_dspark.proposers.base.Offer`), leaving the round to
+    ``inner``'s own guesses. ``config``: how copies are found.
     """
 
     inner: Proposer
@@ -141,49 +166,55 @@ class CopyProposer:
     vocab_size: int
     longest: int | None = None
     as_is: bool = False
-    phrases: PhraseStore | None = None
+    phrases: SuffixStore | None = None
+    config: SuffixConfig = COPY_CONFIG
 
-    def make_state(self) -> Backlog:
-        return Backlog(self.inner.make_state())
+    def make_state(self) -> PairState:
+        return PairState(Backlog(self.inner.make_state()))
 
-    def offer(self, state: Backlog, tokens: list[int], longest: int) -> list[Offer]:
-        """A copy from the context, else the store's (declinable); then the
-        inner proposer's own guesses."""
+    def offer(self, state: PairState, tokens: list[int], longest: int) -> list[Offer]:
+        """A copy from the context or the store (the store's declinable);
+        then the inner proposer's own guesses."""
         own = Offer(longest)
         length = self.longest or longest
-        copy, phrased = copy_for(tokens, length, self.phrases)
-        if not offers(copy):
+        request = state.suffix.sync(tokens, None, self.config)
+        draft = best_chain(request, self.phrases, length)
+        if len(draft) == 0:
             return [own]
+        phrased = draft.source == "global"
+        copy = padded(draft, length)
         found = Offer(length, True, phrased, declinable=phrased, payload=copy)
         return [found, own]
 
-    def propose(self, state: Backlog, round: Round) -> Proposal:
+    def propose(self, state: PairState, round: Round) -> Proposal:
+        backlog = state.backlog
         copy = None if round.offer is None else round.offer.payload
         if copy is None:
-            proposal = self.inner.propose(state.inner, state.take(round))
+            proposal = self.inner.propose(backlog.inner, backlog.take(round))
             if proposal.top_logprob is None:
                 return proposal
             return replace(proposal, copied=mx.zeros(proposal.tokens.shape, mx.bool_))
         found = copy[: round.cap]
         copy = mx.array(found)[None]
         if self.as_is and bool((found >= 0).all()):
-            state.skip(round)
+            backlog.skip(round)
             return copied_proposal(copy, self.vocab_size)
-        inner_round = state.take(round)
+        inner_round = backlog.take(round)
         if isinstance(self.inner, DrafterProposer | Eagle3Proposer):
             block = copy[:, : self.inner.drafter.block_size]
             bias = CopyBias(block, mx.array(self.bias, mx.float32))
-            proposal = self.inner.propose(state.inner, inner_round, bias)
+            proposal = self.inner.propose(backlog.inner, inner_round, bias)
         else:
-            proposal = self.inner.propose(state.inner, inner_round)
+            proposal = self.inner.propose(backlog.inner, inner_round)
         if round.cap > proposal.tokens.shape[1]:
             mx.eval(proposal.tokens, proposal.confidence)  # one sync for both
             proposal = follow_copy(proposal, copy)
         return proposal
 
-    def tree_source(self, state: Backlog, round: Round):
+    def tree_source(self, state: PairState, round: Round):
         """Trees do not copy: the inner proposer's tree rows."""
-        return tree_source(self.inner)(state.inner, state.take(round))
+        backlog = state.backlog
+        return tree_source(self.inner)(backlog.inner, backlog.take(round))
 
 
 # What mlx_dspark.load returns as a pair's drafter: a DSpark (or DFlash)
@@ -234,5 +265,5 @@ def context_bias(
     does not copy."""
     if not copies(drafter):
         return None
-    copy = mx.array(np.stack([continuation(c, n) for c in contexts]))
+    copy = mx.array(np.stack([context_copy(c, n, COPY_CONFIG) for c in contexts]))
     return CopyBias(copy, mx.array(drafter.config.context_copy_bias, mx.float32))
