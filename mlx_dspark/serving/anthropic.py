@@ -234,10 +234,18 @@ def chat_body(body, *, count: bool = False) -> dict:
         out["tools"] = tools
     thinking = body.get("thinking")
     if thinking is not None:
-        kind = thinking.get("type") if isinstance(thinking, dict) else None
-        if kind not in ("enabled", "disabled", "adaptive"):
-            raise BadRequest("thinking.type must be enabled, disabled or adaptive.")
-        out["chat_template_kwargs"] = {"enable_thinking": kind != "disabled"}
+        if not isinstance(thinking, dict):
+            raise BadRequest("thinking must be an object.")
+        # Templates take a switch, not a budget: any type but "disabled" is on.
+        out["chat_template_kwargs"] = {
+            "enable_thinking": thinking.get("type") != "disabled"
+        }
+    output = body.get("output_config")
+    if isinstance(output, dict) and output.get("format") is not None:
+        raise BadRequest(
+            "output_config.format (structured outputs) is not supported: "
+            "generation here is never constrained."
+        )
     return out
 
 
