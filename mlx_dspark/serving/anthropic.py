@@ -32,7 +32,7 @@ ERROR_TYPES = {
 }
 
 
-def error_body(status: int, message: str) -> dict:
+def anthropic_error(status: int, message: str) -> dict:
     """An error in Anthropic's shape, its type from the HTTP status."""
     kind = ERROR_TYPES.get(status, "api_error")
     return {"type": "error", "error": {"type": kind, "message": message}}
@@ -396,7 +396,7 @@ class MessageBuilder:
         ]
 
 
-def models(settings) -> dict:
+def models_list(settings) -> dict:
     """``GET /v1/models`` in Anthropic's shape (asked with ``anthropic-version``)."""
     created = datetime.datetime.fromtimestamp(settings.created, datetime.timezone.utc)
     model = {

@@ -27,7 +27,7 @@ import mlx.core as mx
 from ..errors import DSparkError
 from ..policy.telemetry import render_prometheus
 from ..sampling.processing import SamplingParams
-from . import anthropic
+from .anthropic import MessageBuilder, anthropic_error, chat_body, models_list
 from .engine import BatchEngine, Event, GenerationRequest, RequestHandle
 from .errors import BadRequest, ModelNotFound
 from .tool_calls import ChatOutput, Delta, Finish, openai_tool_call, template_tool_calls
@@ -417,7 +417,7 @@ class APIHandler(BaseHTTPRequestHandler):
     ) -> None:
         """An error body in the shape of the route's API."""
         if self.anthropic:
-            self._send_json(status, anthropic.error_body(status, message))
+            self._send_json(status, anthropic_error(status, message))
             return
         if kind is None:
             kind = {404: "not_found", 500: "server_error", 503: "server_error"}.get(
@@ -431,7 +431,7 @@ class APIHandler(BaseHTTPRequestHandler):
         if path in ("/v1/models", "/models"):
             settings = self.server.settings
             if self.headers.get("anthropic-version"):
-                self._send_json(200, anthropic.models(settings))
+                self._send_json(200, models_list(settings))
                 return
             model = {
                 "id": settings.model_name,
@@ -457,7 +457,7 @@ class APIHandler(BaseHTTPRequestHandler):
     def _wrong_method(self, path: str, allowed: str) -> None:
         message = f"{path} takes {allowed} requests only."
         if self.anthropic:
-            body = anthropic.error_body(405, message)
+            body = anthropic_error(405, message)
         else:
             body = error_body(message, kind="invalid_request_error")
         data = json.dumps(body).encode()
@@ -500,7 +500,7 @@ class APIHandler(BaseHTTPRequestHandler):
                 raise BadRequest(f"Invalid JSON in the request body: {error}") from None
             chat = POST_ROUTES.get(path, True)
             if self.anthropic:
-                body = anthropic.chat_body(body, count=MESSAGES_ROUTES[path])
+                body = chat_body(body, count=MESSAGES_ROUTES[path])
                 if MESSAGES_ROUTES[path]:
                     check_model(body, server.settings)
                     prompt = chat_prompt(
@@ -700,7 +700,7 @@ class APIHandler(BaseHTTPRequestHandler):
 
     def _respond_messages(self, parsed: ParsedRequest, handle: RequestHandle) -> None:
         """Anthropic's Messages answer: one message, or its event stream."""
-        builder = anthropic.MessageBuilder(parsed.model, len(parsed.request.prompt))
+        builder = MessageBuilder(parsed.model, len(parsed.request.prompt))
         output = ChatOutput(self.server.tokenizer, parsed.request.prompt, parsed.tools)
 
         def send(events: list[tuple[str, dict]]) -> None:
@@ -724,7 +724,7 @@ class APIHandler(BaseHTTPRequestHandler):
                                 *events,
                                 (
                                     "error",
-                                    anthropic.error_body(500, "Generation failed."),
+                                    anthropic_error(500, "Generation failed."),
                                 ),
                             ]
                         )
