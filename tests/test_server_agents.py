@@ -131,8 +131,10 @@ def test_messages_equal_generate_and_chat_completions(pair, expected, server):
     question = QUESTIONS[0]
     ids, tokens = expected[question]
     want = tokenizer.decode(tokens)
+    cached = []
     for stream in (False, True):
         message = ask(claude, question, stream, metadata={"user_id": "u1"})
+        cached.append(message.usage.cache_read_input_tokens)
         assert message.id.startswith("msg_") and message.type == "message"
         assert message.role == "assistant" and message.model == "tiny"
         assert [b.type for b in message.content] == ["text"]
@@ -144,6 +146,8 @@ def test_messages_equal_generate_and_chat_completions(pair, expected, server):
         assert usage.input_tokens + usage.cache_read_input_tokens == len(ids)
         assert usage.cache_creation_input_tokens == 0
         assert usage.output_tokens == len(tokens)
+    # The second time, the prompt comes from the prompt cache.
+    assert cached[1] > 0, cached
     # The system prompt as text blocks is the same prompt.
     blocks = [{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}]
     assert text_of(ask(claude, question, system=blocks)) == want
@@ -763,3 +767,21 @@ def test_a_tool_round_trip(steered):
         ],
     )
     assert chat.usage.prompt_tokens == len(want)
+
+
+def test_chat_route_refuses_unreadable_tool_call_arguments(server):
+    _, gpt = clients(server)
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{"}}
+    with pytest.raises(openai.BadRequestError) as error:
+        gpt.chat.completions.create(
+            model="tiny",
+            max_tokens=4,
+            messages=[
+                {"role": "user", "content": "t1"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "t2"},
+            ],
+        )
+    assert error.value.body["message"] == (
+        "messages[1].tool_calls[0].function.arguments is not valid JSON."
+    )
