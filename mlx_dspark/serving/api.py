@@ -1,12 +1,14 @@
-"""OpenAI-compatible HTTP front end of :class:`~mlx_dspark.serving.engine.BatchEngine`.
+"""HTTP front end of :class:`~mlx_dspark.serving.engine.BatchEngine`.
 
-Request and response shapes follow OpenAI's API as ``mlx_lm.server`` serves
-it: ``POST /v1/chat/completions`` and ``/v1/completions`` (server-sent events
-when ``stream`` is true), ``GET /v1/models``, ``/health`` and ``/metrics``
-(Prometheus text). Standard library only: a threading HTTP server whose
-handler threads tokenize, queue the request on the engine and write what it
-commits; all MLX work stays on the engine thread. Bad input gets a JSON error
-with status 400 and never reaches the engine.
+OpenAI's API as ``mlx_lm.server`` serves it: ``POST /v1/chat/completions``
+(tool calls and reasoning split out by :mod:`.tool_calls`) and
+``/v1/completions`` (server-sent events when ``stream`` is true), ``GET
+/v1/models``, ``/health`` and ``/metrics`` (Prometheus text); and Anthropic's
+``POST /v1/messages`` and ``/v1/messages/count_tokens`` (:mod:`.anthropic`
+maps them onto the chat route). Standard library only: a threading HTTP
+server whose handler threads tokenize, queue the request on the engine and
+write what it commits; all MLX work stays on the engine thread. Bad input
+gets a JSON error with status 400 and never reaches the engine.
 """
 
 from __future__ import annotations
