@@ -108,9 +108,12 @@ def is_dspark_drafter(path_or_repo: str | Path) -> bool:
     """Whether a draft model is one this package's loop runs (a DSpark, DFlash
     or EAGLE-3 drafter, by its config), rather than an ordinary mlx-lm model
     for mlx-lm's own speculative decoding."""
+    from ..proposers.gemma4_assistant_config import is_assistant
     from .eagle3 import is_eagle3
 
     config = read_config(resolve_path(path_or_repo, "draft model"))
+    if is_assistant(config):
+        return True
     architectures = config.get("architectures") or []
     speculators = "speculators_model_type" in config or "speculators_config" in config
     dspark = any("DSpark" in str(a) for a in architectures)
@@ -147,8 +150,12 @@ def load_drafter(path_or_repo: str | Path, target: nn.Module | None = None) -> D
     speculators or MLX, :func:`~mlx_dspark.checkpoints.eagle3.load_eagle3`)."""
     path = resolve_path(path_or_repo, "drafter")
     raw = read_config(path)
+    from ..proposers.gemma4_assistant_config import is_assistant
     from .eagle3 import is_eagle3, load_eagle3
+    from .gemma4_assistant import load_assistant
 
+    if is_assistant(raw):
+        return load_assistant(path, target)
     if is_eagle3(raw):
         drafter = load_eagle3(path, target)
         attach_phrase_store(drafter, path)

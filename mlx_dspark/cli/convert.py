@@ -38,7 +38,8 @@ def convert(
         "--draft-model",
         metavar="PATH|REPO",
         help="DSpark drafter (DeepSpec, speculators 'dspark' or MLX checkpoint) "
-        "or EAGLE-3 drafter (DeepSpec, speculators 'eagle3' or MLX).",
+        "or EAGLE-3 drafter (DeepSpec, speculators 'eagle3' or MLX) or Gemma-4 "
+        "assistant (Hugging Face '*-assistant' or MLX).",
     ),
     out: str | None = typer.Option(
         None, "--out", metavar="DIR", help="Output directory."
@@ -149,8 +150,12 @@ def convert_gguf_cli(args: SimpleNamespace) -> None:
 
 def convert_drafter_cli(args: SimpleNamespace) -> None:
     from ..checkpoints.eagle3 import is_eagle3_path
+    from ..checkpoints.gemma4_assistant import is_assistant_path
     from ..convert.drafter import convert_drafter, describe_plan, plan_drafter
 
+    if is_assistant_path(args.draft_model):
+        convert_assistant_cli(args)
+        return
     if is_eagle3_path(args.draft_model):
         convert_eagle3_cli(args)
         return
@@ -204,6 +209,35 @@ def convert_eagle3_cli(args: SimpleNamespace) -> None:
     written = sum(f.stat().st_size for f in Path(args.out).glob("*.safetensors"))
     print(
         f"wrote {args.out} ({kind} MLX EAGLE-3 drafter, {result.config.flavour}): "
+        f"{written / 2**20:.1f} MiB of weights"
+    )
+
+
+def convert_assistant_cli(args: SimpleNamespace) -> None:
+    from ..convert.gemma4_assistant import convert_assistant
+
+    if args.target or args.to != "mlx":
+        flag = "--target" if args.target else "--to"
+        raise DSparkError(f"{flag} does not apply to Gemma-4 assistant drafters.")
+    if args.dry_run:
+        raise DSparkError("--dry-run does not apply to Gemma-4 assistant drafters.")
+    if not args.out:
+        raise DSparkError("--out is required.")
+    if not args.quantize and (args.q_bits or args.q_group_size):
+        raise DSparkError("--q-bits and --q-group-size need -q.")
+    result = convert_assistant(
+        args.draft_model,
+        args.out,
+        quantize=args.quantize,
+        bits=args.q_bits,
+        group_size=args.q_group_size,
+        dtype=args.dtype,
+        force=args.force,
+    )
+    kind = f"{result.bits}-bit" if result.bits else "float"
+    written = sum(f.stat().st_size for f in Path(args.out).glob("*.safetensors"))
+    print(
+        f"wrote {args.out} ({kind} MLX Gemma-4 assistant drafter): "
         f"{written / 2**20:.1f} MiB of weights"
     )
 

@@ -155,6 +155,8 @@ class AdaptivePolicy(RecordingPolicy):
     copies: RoundKind = field(default_factory=RoundKind)  # rounds offered one
     phrases: RoundKind = field(default_factory=RoundKind)  # offered the store's
     suffix: bool = False  # copies are suffix drafts verified as they are
+    # Never verify drafts past a drafted stop token (the loop reads it).
+    cut_at_stop: bool = True
     last_drafted: bool = False
     explored_at: int = 0  # the round of the last exploration
     _offered: bool = False  # the coming round is offered a copy

@@ -54,7 +54,8 @@ import os
 import stat
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import fields, replace
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -164,6 +165,26 @@ def _median_time(fn, repeats: int) -> float:
     return float(np.median(times))
 
 
+def _arrays(state) -> list[mx.array]:
+    """The arrays a proposer's state (a dataclass) holds, for evaluation."""
+    out = []
+    for f in fields(state):
+        value = getattr(state, f.name)
+        items = value if isinstance(value, list) else [value]
+        out += [a for a in items if isinstance(a, mx.array)]
+    return out
+
+
+def _copied(state):
+    """A copy of a proposer's state whose lists a round may change."""
+    lists = {
+        f.name: list(getattr(state, f.name))
+        for f in fields(state)
+        if isinstance(getattr(state, f.name), list)
+    }
+    return replace(state, **lists)
+
+
 def measure_profile(
     target: TargetAdapter,
     drafter: Drafter,
@@ -215,20 +236,22 @@ def measure_profile(
         # take in the whole context again.
         tokens = prompt.tolist()
         primed = proposer.make_state()
-        first = Round(tokens, features[:, :-1], 1, SamplingParams(), None)
+        kv = partial(target.attention_kv, cache)  # read by a Gemma-4 assistant
+        first = Round(tokens, features[:, :-1], 1, SamplingParams(), None, target_kv=kv)
         proposer.propose(primed, first)
-        mx.eval(primed.keys, primed.values)
+        mx.eval(_arrays(primed))
         round = Round(
             [*tokens, tokens[-1]],
             features[:, -1:],
             drafter.block_size,
             SamplingParams(),
             None,
+            target_kv=kv,
         )
 
         def draft(primed=primed, round=round):
             # The caches' lists are copied: a round replaces their entries.
-            state = replace(primed, keys=list(primed.keys), values=list(primed.values))
+            state = _copied(primed)
             proposal = proposer.propose(state, round)
             mx.eval(
                 [a for a in (proposal.tokens, proposal.confidence) if a is not None]

@@ -22,6 +22,7 @@ import numpy as np
 from .base import Backlog, Offer, Proposal, Proposer, Round, point_mass, tree_source
 from .dspark import DrafterProposer, DSparkDrafter
 from .eagle3 import Eagle3Drafter, Eagle3Proposer
+from .gemma4_assistant import AssistantDrafter, AssistantProposer
 from .suffix_store import (
     SuffixConfig,
     SuffixState,
@@ -218,8 +219,8 @@ class CopyProposer:
 
 
 # What mlx_dspark.load returns as a pair's drafter: a DSpark (or DFlash)
-# drafter or an EAGLE-3 one.
-Drafter = DSparkDrafter | Eagle3Drafter
+# drafter, an EAGLE-3 one or a Gemma-4 assistant.
+Drafter = DSparkDrafter | Eagle3Drafter | AssistantDrafter
 
 
 def copies(drafter: Drafter) -> bool:
@@ -232,6 +233,8 @@ def own_proposer(drafter: Drafter) -> Proposer:
     """The drafter's own proposer, without copying."""
     if isinstance(drafter, Eagle3Drafter):
         return Eagle3Proposer(drafter)
+    if isinstance(drafter, AssistantDrafter):
+        return AssistantProposer(drafter)
     return DrafterProposer(drafter)
 
 

@@ -14,6 +14,7 @@ ingested with the target's true features (:meth:`Eagle3Drafter.extend`).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -312,6 +313,7 @@ class Eagle3Drafter(DraftVocabulary, nn.Module):
         params: SamplingParams,
         key: mx.array | list[TokenKey] | None = None,
         bias: RowBias | None = None,
+        stop_ids: Collection[int] = (),
     ) -> Proposal:
         """``n`` drafts after the anchor at position ``start`` (the cache holds
         ``start`` positions and has already seen the anchor as the token after
@@ -320,8 +322,9 @@ class Eagle3Drafter(DraftVocabulary, nn.Module):
         processed log-weights each draft was drawn from (coupled: mlx-lm's,
         with the token keys in ``key``). ``bias`` is added to each row before
         its draft is drawn (:class:`~mlx_dspark.proposers.base.RowBias`, as
-        context copying biases a DSpark drafter's rows). The cache is cropped
-        back to ``start``.
+        context copying biases a DSpark drafter's rows). The chain ends at a
+        drafted token of ``stop_ids`` (:func:`~mlx_dspark.proposers.base.cut_at_stop`),
+        as DeepSpec's evaluator ends it. The cache is cropped back to ``start``.
         """
         if cache.hidden is None or cache.length != start:
             raise ValueError(
@@ -354,6 +357,8 @@ class Eagle3Drafter(DraftVocabulary, nn.Module):
             prev = token = token.astype(mx.int32)
             tokens.append(token)
             rows.append(row)
+            if stop_ids and int(token.item()) in stop_ids:
+                break
             if k + 1 < n:
                 hidden = self(hidden, token[:, None], start + k, cache)
         cache.crop(start)
@@ -398,4 +403,6 @@ class Eagle3Proposer:
         key = None if round.params.greedy else round.key
         anchor = mx.array([round.anchor])
         params = round.params
-        return self.drafter.draft(state, anchor, round.start, n, params, key, bias)
+        return self.drafter.draft(
+            state, anchor, round.start, n, params, key, bias, round.stop_ids
+        )
