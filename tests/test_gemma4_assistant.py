@@ -335,8 +335,11 @@ def test_seeded_output_equals_mlx_lm_and_the_server(pair):
         handles = {}
         for seed in (0, 1):
             expected = mlx_lm_tokens(model, tokenizer, params, seed)
-            tokens, stats = dspark_tokens(model, tokenizer, drafter, params, seed)
-            assert tokens == expected
+            for fixed in (None, drafter.block_size):  # the default policy, fixed
+                tokens, stats = dspark_tokens(
+                    model, tokenizer, drafter, params, seed, num_draft=fixed
+                )
+                assert tokens == expected
             assert any(r.drafted for r in stats.rounds)
             request = GenerationRequest(SEED_PROMPT, params, len(expected), seed)
             handles[seed] = engine.submit(request), expected

@@ -212,6 +212,11 @@ class AssistantProposer:
         return AssistantState()
 
     def propose(self, state: AssistantState, round: Round) -> Proposal:
+        if self.drafter.target_embed is None:
+            raise DSparkError(
+                "The Gemma-4 assistant drafter was not paired with its target; "
+                "load it with mlx_dspark.load(target, draft_model)."
+            )
         if round.features is not None:
             state.hidden = round.features[:, -1:]
         if state.hidden is None or round.target_kv is None:
