@@ -110,6 +110,7 @@ def is_dspark_drafter(path_or_repo: str | Path) -> bool:
     for mlx-lm's own speculative decoding."""
     from ..proposers.gemma4_assistant_config import is_assistant
     from .eagle3 import is_eagle3
+    from .mtp import is_mtp
 
     config = read_config(resolve_path(path_or_repo, "draft model"))
     if is_assistant(config):
@@ -117,7 +118,7 @@ def is_dspark_drafter(path_or_repo: str | Path) -> bool:
     architectures = config.get("architectures") or []
     speculators = "speculators_model_type" in config or "speculators_config" in config
     dspark = any("DSpark" in str(a) for a in architectures)
-    return speculators or dspark or is_eagle3(config)
+    return speculators or dspark or is_eagle3(config) or is_mtp(config)
 
 
 def check_pair(config: DraftConfig, target: TargetAdapter) -> None:
@@ -147,15 +148,21 @@ def build_drafter(
 def load_drafter(path_or_repo: str | Path, target: nn.Module | None = None) -> Drafter:
     """Load a DeepSpec-format (or converted MLX) drafter, optionally for
     ``target``: a DSpark (or DFlash) drafter, or an EAGLE-3 one (DeepSpec,
-    speculators or MLX, :func:`~mlx_dspark.checkpoints.eagle3.load_eagle3`)."""
+    speculators or MLX, :func:`~mlx_dspark.checkpoints.eagle3.load_eagle3`), or
+    an MTP module (:func:`~mlx_dspark.checkpoints.mtp.load_mtp`)."""
     path = resolve_path(path_or_repo, "drafter")
     raw = read_config(path)
     from ..proposers.gemma4_assistant_config import is_assistant
     from .eagle3 import is_eagle3, load_eagle3
     from .gemma4_assistant import load_assistant
+    from .mtp import is_mtp, load_mtp
 
     if is_assistant(raw):
         return load_assistant(path, target)
+    if is_mtp(raw):
+        drafter = load_mtp(path, target)
+        drafter.phrase_store = None
+        return drafter
     if is_eagle3(raw):
         drafter = load_eagle3(path, target)
         attach_phrase_store(drafter, path)

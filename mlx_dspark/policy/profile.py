@@ -54,7 +54,6 @@ import os
 import stat
 import time
 from collections.abc import Callable
-from dataclasses import fields, replace
 from functools import partial
 from pathlib import Path
 
@@ -165,26 +164,6 @@ def _median_time(fn, repeats: int) -> float:
     return float(np.median(times))
 
 
-def _arrays(state) -> list[mx.array]:
-    """The arrays a proposer's state (a dataclass) holds, for evaluation."""
-    out = []
-    for f in fields(state):
-        value = getattr(state, f.name)
-        items = value if isinstance(value, list) else [value]
-        out += [a for a in items if isinstance(a, mx.array)]
-    return out
-
-
-def _copied(state):
-    """A copy of a proposer's state whose lists a round may change."""
-    lists = {
-        f.name: list(getattr(state, f.name))
-        for f in fields(state)
-        if isinstance(getattr(state, f.name), list)
-    }
-    return replace(state, **lists)
-
-
 def measure_profile(
     target: TargetAdapter,
     drafter: Drafter,
@@ -239,7 +218,7 @@ def measure_profile(
         kv = partial(target.attention_kv, cache)  # read by a Gemma-4 assistant
         first = Round(tokens, features[:, :-1], 1, SamplingParams(), None, target_kv=kv)
         proposer.propose(primed, first)
-        mx.eval(_arrays(primed))
+        mx.eval(primed.arrays())
         round = Round(
             [*tokens, tokens[-1]],
             features[:, -1:],
@@ -250,8 +229,8 @@ def measure_profile(
         )
 
         def draft(primed=primed, round=round):
-            # The caches' lists are copied: a round replaces their entries.
-            state = _copied(primed)
+            # A copy of the primed state: a round changes it.
+            state = primed.copy()
             proposal = proposer.propose(state, round)
             mx.eval(
                 [a for a in (proposal.tokens, proposal.confidence) if a is not None]

@@ -20,9 +20,11 @@ import mlx.core as mx
 import numpy as np
 
 from .base import Backlog, Offer, Proposal, Proposer, Round, point_mass, tree_source
+from .chain import ChainProposer
 from .dspark import DrafterProposer, DSparkDrafter
 from .eagle3 import Eagle3Drafter, Eagle3Proposer
 from .gemma4_assistant import AssistantDrafter, AssistantProposer
+from .mtp import MTPDrafter, MTPProposer
 from .suffix_store import (
     SuffixConfig,
     SuffixState,
@@ -201,7 +203,7 @@ class CopyProposer:
             backlog.skip(round)
             return copied_proposal(copy, self.vocab_size)
         inner_round = backlog.take(round)
-        if isinstance(self.inner, DrafterProposer | Eagle3Proposer):
+        if isinstance(self.inner, DrafterProposer | ChainProposer):
             block = copy[:, : self.inner.drafter.block_size]
             bias = CopyBias(block, mx.array(self.bias, mx.float32))
             proposal = self.inner.propose(backlog.inner, inner_round, bias)
@@ -219,8 +221,8 @@ class CopyProposer:
 
 
 # What mlx_dspark.load returns as a pair's drafter: a DSpark (or DFlash)
-# drafter, an EAGLE-3 one or a Gemma-4 assistant.
-Drafter = DSparkDrafter | Eagle3Drafter | AssistantDrafter
+# drafter, an EAGLE-3 one, a Gemma-4 assistant or an MTP module.
+Drafter = DSparkDrafter | Eagle3Drafter | AssistantDrafter | MTPDrafter
 
 
 def copies(drafter: Drafter) -> bool:
@@ -235,6 +237,8 @@ def own_proposer(drafter: Drafter) -> Proposer:
         return Eagle3Proposer(drafter)
     if isinstance(drafter, AssistantDrafter):
         return AssistantProposer(drafter)
+    if isinstance(drafter, MTPDrafter):
+        return MTPProposer(drafter)
     return DrafterProposer(drafter)
 
 

@@ -197,6 +197,12 @@ class AssistantState:
 
     hidden: mx.array | None = None
 
+    def copy(self) -> AssistantState:
+        return AssistantState(self.hidden)
+
+    def arrays(self) -> list[mx.array]:
+        return [] if self.hidden is None else [self.hidden]
+
 
 @dataclass
 class AssistantProposer:
