@@ -23,7 +23,7 @@ from test_sampling import (
     exact_joint,
     sample_first_three,
 )
-from test_seed import SETTINGS, dspark_tokens, mlx_lm_tokens
+from test_seed import SETTINGS, dspark_tokens, mlx_lm_tokens, served, served_as
 
 import mlx_dspark
 from mlx_dspark.checkpoints.mtp import OFFSET_NORMS
@@ -35,6 +35,7 @@ from mlx_dspark.generation import stream_generate
 from mlx_dspark.proposers.base import Round
 from mlx_dspark.proposers.mtp import MTPProposer
 from mlx_dspark.sampling.processing import SamplingParams
+from mlx_dspark.serving import BatchEngine, EngineConfig, GenerationRequest
 from mlx_dspark.targets.adapter import TargetAdapter
 
 TYPES = ["qwen3_next", "qwen3_5", "qwen3_5_moe"]
@@ -290,3 +291,24 @@ def test_cli_extracts_and_generates(tmp_path, checkpoint, capsys):
     assert code == 0, err
     assert drafted.split("=" * 10)[1].strip() == plain.strip()
     assert "Mean accepted length:" in drafted
+
+
+def test_server_takes_an_mtp_drafter(checkpoint):
+    """Greedy and seeded requests through the batch engine are mlx-lm's."""
+    _, target_dir, drafter_dir = checkpoint("qwen3_next")
+    model, tokenizer, drafter = mlx_dspark.load(target_dir, drafter_dir)
+    engine = BatchEngine(model, tokenizer, drafter, EngineConfig(max_batch=2))
+    assert isinstance(engine.proposer, MTPProposer)
+    try:
+        runs = [("greedy", SamplingParams(), 0), ("t1", SETTINGS["t1"], 1)]
+        handles = {
+            name: engine.submit(GenerationRequest([3, 14, 15, 9], params, 24, seed))
+            for name, params, seed in runs
+        }
+        engine.start()
+        for name, params, seed in runs:
+            expected = mlx_lm_tokens(model, tokenizer, params, seed)
+            assert served(handles[name]) == served_as(expected, tokenizer), name
+        assert engine.stats.drafts_accepted > 0
+    finally:
+        engine.stop()
