@@ -48,18 +48,42 @@ def sample_first_three(*args, **kwargs):
     return sample_with(*args, sampling="residual", **kwargs)
 
 
+def brute_continuation(history, length, min_ngram=2, max_ngram=3):
+    """A context copy's definition, spelled out: what followed the latest
+    earlier occurrence of the history's longest suffix of ``min_ngram`` to
+    ``max_ngram`` tokens, repeating with its period past the history's end."""
+    for n in range(min(max_ngram, len(history) - 1), min_ngram - 1, -1):
+        suffix = history[-n:]
+        for end in range(len(history) - 2, n - 2, -1):
+            if history[end - n + 1 : end + 1] == suffix:
+                extended = list(history)
+                for i in range(length):
+                    extended.append(extended[end + 1 + i])
+                return extended[len(history) :]
+    return [-1] * length
+
+
+def test_context_copies_match_their_definition_on_random_histories():
+    rng = np.random.default_rng(0)
+    for trial in range(400):
+        history = rng.integers(0, 2 + trial % 6, size=rng.integers(1, 40)).tolist()
+        length = int(rng.integers(0, 12))
+        expected = brute_continuation(history, length)
+        assert context_copy(history, length, COPY_CONFIG).tolist() == expected
+
+
 def test_copies_are_the_suffix_store_s_chains_of_two_or_more_matched_tokens():
-    # [1, 6, 7] occurred once, then 8, 2, 6, 7, 9, 1, 6, 7 up to the end.
+    # [1, 6, 7] occurred once, then 8, 2, 6, 7, 9, 1, 6, 7 up to the end;
+    # past the end the copy repeats with its period.
     context = [1, 6, 7, 8, 2, 6, 7, 9, 1, 6, 7]
     assert context_copy(context, 4, COPY_CONFIG).tolist() == [8, 2, 6, 7]
     assert context_copy(context, 10, COPY_CONFIG).tolist() == [
-        8, 2, 6, 7, 9, 1, 6, 7, -1, -1,
+        8, 2, 6, 7, 9, 1, 6, 7, 8, 2,
     ]  # fmt: skip
-    # A copy runs at most alpha (4) times the match: [1, 2] matched 2.
-    context = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1, 2]
-    assert context_copy(context, 10, COPY_CONFIG).tolist() == [
-        3, 4, 5, 6, 7, 8, 9, 10, -1, -1,
-    ]  # fmt: skip
+    # [6, 7] last occurred before 9 (the latest occurrence, not the commonest).
+    context = [1, 6, 7, 8, 2, 6, 7, 9, 3, 6, 7]
+    assert context_copy(context, 4, COPY_CONFIG).tolist() == [9, 3, 6, 7]
+    assert context_copy([5, 5, 5], 3, COPY_CONFIG).tolist() == [5, 5, 5]
     # One token seen before is not enough.
     assert context_copy([1, 2, 3, 2], 2, COPY_CONFIG).tolist() == [-1, -1]
     assert context_copy([4], 2, COPY_CONFIG).tolist() == [-1, -1]
@@ -206,7 +230,7 @@ class DraftsWithoutTheirBias(ChainMode):
     def propose(self, proposer, state, round):
         proposal = super().propose(proposer, state, round)
         again = dataclasses.replace(round, features=None)  # already ingested
-        unbiased = proposer.inner.propose(state.backlog.inner, again)
+        unbiased = proposer.inner.propose(state.inner, again)
         proposal.logits = unbiased.logits
         return proposal
 

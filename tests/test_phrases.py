@@ -22,7 +22,7 @@ from mlx_dspark.decoding.loop import RoundStats
 from mlx_dspark.errors import DSparkError
 from mlx_dspark.policy.adaptive import AdaptivePolicy
 from mlx_dspark.proposers.base import Backlog
-from mlx_dspark.proposers.copying import CopyProposer, PairState
+from mlx_dspark.proposers.copying import CopyProposer
 from mlx_dspark.proposers.suffix_store import (
     PHRASES_FILE,
     SuffixStore,
@@ -48,21 +48,22 @@ def offered_copy(documents, tokens, length=2):
     """The copy a :class:`CopyProposer` with a store of ``documents`` offers
     after ``tokens`` (None: none), and whether it is the store's."""
     proposer = CopyProposer(None, 1.0, 100, phrases=stored(documents))
-    state = PairState(Backlog(None))
+    state = Backlog(None)
     offer = proposer.offer(state, tokens, length)[0]
     if offer.payload is None:
         return None, False
     return offer.payload.tolist(), offer.phrases
 
 
-def test_the_copy_is_the_better_of_the_context_s_and_the_store_s():
+def test_the_context_copy_comes_before_the_store():
     assert offered_copy([[1, 2, 3, 9, 9]], [1, 2, 3]) == ([9, 9], True)
-    # The context's [2, 3] once (then 4) scores as the store's [1, 2, 3]
-    # once: the context's wins the tie.
     assert offered_copy([[1, 2, 3, 9, 9]], [1, 2, 3, 4, 1, 2, 3]) == ([4, 1], False)
-    # Two store documents disagreeing after [2, 3] score below the context's.
-    documents = [[2, 3, 8], [2, 3, 9]]
-    assert offered_copy(documents, [2, 3, 4, 5, 2, 3]) == ([4, 5], False)
+    # Both store documents follow [9, 2, 3] with 8; the context's one
+    # occurrence of [2, 3] still comes first. The store needs three tokens.
+    documents = [[9, 2, 3, 8], [9, 2, 3, 8]]
+    assert offered_copy(documents, [9, 2, 3, 4, 5, 9, 2, 3]) == ([4, 5], False)
+    assert offered_copy(documents, [9, 2, 3]) == ([8, -1], True)
+    assert offered_copy(documents, [7, 2, 3]) == (None, False)
     assert offered_copy([[1, 2, 3, 9, 9]], [5, 6, 7]) == (None, False)
 
 

@@ -709,12 +709,12 @@ def test_with_copying_a_plain_step_is_queued_before_the_lookup(
     model, _, drafter, *_ = pair_factory(block_size=8)
     target = TargetAdapter(model, drafter.config.target_layer_ids)
     events = []
-    step, lookup = loop.plain_step, copying.best_chain
+    step, lookup = loop.plain_step, copying.context_copy
     monkeypatch.setattr(
         loop, "plain_step", lambda *a: events.append("step") or step(*a)
     )
     monkeypatch.setattr(
-        copying, "best_chain", lambda *a: events.append("lookup") or lookup(*a)
+        copying, "context_copy", lambda *a: events.append("lookup") or lookup(*a)
     )
 
     def run(policy) -> str:

@@ -1,9 +1,10 @@
 """Context copying and the phrase store, as a proposer composed with a drafter.
 
 The copy is the suffix store's chain (:mod:`~mlx_dspark.proposers.suffix_store`):
-what the request's own text (its index over prompt and output) says comes
-next, or the drafter's phrase store (``phrases.npy``, a pre-filled global
-store) when it scores higher. A round offered such a copy (:meth:`CopyProposer.offer`)
+what the request's own text says comes next
+(:func:`~mlx_dspark.proposers.suffix_store.context_copy`), else what the
+drafter's phrase store (``phrases.npy``, a pre-filled global store) says. A
+round offered such a copy (:meth:`CopyProposer.offer`)
 is drafted by the inner proposer with :class:`CopyBias` on its rows, goes on
 past the drafter's block with the copy's own tokens (:func:`follow_copy`), or,
 with ``as_is``, verifies the copy itself without running the drafter
@@ -13,7 +14,7 @@ against, so the output is unchanged; only the proposal moves.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
@@ -25,19 +26,26 @@ from .dspark import DrafterProposer, DSparkDrafter
 from .eagle3 import Eagle3Drafter, Eagle3Proposer
 from .gemma4_assistant import AssistantDrafter, AssistantProposer
 from .mtp import MTPDrafter, MTPProposer
-from .suffix_store import (
-    SuffixConfig,
-    SuffixState,
-    SuffixStore,
-    best_chain,
-    context_copy,
-    padded,
-)
+from .suffix_store import SuffixConfig, SuffixStore, context_copy, store_copy
 
-# Copies need two matched tokens (one token seen before is weak evidence) and
-# may run four times the match: small targets repeat runs far longer than the
-# few tokens that start them.
-COPY_CONFIG = SuffixConfig(min_match=2, alpha=4.0, max_draft=32)
+# A copy follows the latest earlier occurrence of the text's last three (else
+# two) tokens, as far as the round asks: small targets repeat runs far longer
+# than the few tokens that start them, and the latest run is the one they
+# repeat. One token seen before is weak evidence. (Chosen on the recipe's
+# validation answers with examples/tune_copy_bias.py.)
+COPY_CONFIG = SuffixConfig(
+    max_depth=3, alpha=32.0, max_draft=32, min_prob=0.0, min_match=2, max_occurrences=1
+)
+# A phrase-store copy: the longest suffix of six to three tokens found there,
+# then token by token what most often followed it (the latest on a tie).
+PHRASE_CONFIG = SuffixConfig(
+    max_depth=6,
+    alpha=32.0,
+    max_draft=32,
+    min_prob=0.0,
+    min_match=3,
+    max_occurrences=4096,
+)
 
 
 @dataclass
@@ -138,16 +146,6 @@ def copied_proposal(copy: mx.array, vocab_size: int) -> Proposal:
 
 
 @dataclass
-class PairState:
-    """One generation's state of a drafter composed with suffix copies: the
-    drafter's (with the features of the rounds it did not draft) and the
-    request's suffix index."""
-
-    backlog: Backlog
-    suffix: SuffixState = field(default_factory=SuffixState)
-
-
-@dataclass
 class CopyProposer:
     """Context copying and the phrase store composed with ``inner``: a
     drafter's proposer (DSpark's or EAGLE-3's), whose rows a copy biases by
@@ -158,10 +156,11 @@ class CopyProposer:
     loop's ``num_draft``); past the inner proposer's drafts they are the
     copy's own tokens. ``as_is``: a round whose copy covers all its drafts
     verifies the copy as it is, without running ``inner``. ``phrases``: a
-    read-only global store a copy comes from when it scores higher than the
-    context's; the policy may decline its copies
+    read-only global store a copy comes from when the context offers none;
+    the policy may decline its copies
     (:class:`~mlx_dspark.proposers.base.Offer`), leaving the round to
-    ``inner``'s own guesses. ``config``: how copies are found.
+    ``inner``'s own guesses. ``config``, ``phrase_config``: how copies are
+    found in the context and in the store.
     """
 
     inner: Proposer
@@ -171,53 +170,54 @@ class CopyProposer:
     as_is: bool = False
     phrases: SuffixStore | None = None
     config: SuffixConfig = COPY_CONFIG
+    phrase_config: SuffixConfig = PHRASE_CONFIG
 
-    def make_state(self) -> PairState:
-        return PairState(Backlog(self.inner.make_state()))
+    def make_state(self) -> Backlog:
+        return Backlog(self.inner.make_state())
 
-    def offer(self, state: PairState, tokens: list[int], longest: int) -> list[Offer]:
-        """A copy from the context or the store (the store's declinable);
-        then the inner proposer's own guesses."""
+    def offer(self, state: Backlog, tokens: list[int], longest: int) -> list[Offer]:
+        """A copy from the context, else the store's (declinable); then the
+        inner proposer's own guesses."""
         own = Offer(longest)
         length = self.longest or longest
-        request = state.suffix.sync(tokens, None, self.config)
-        draft = best_chain(request, self.phrases, length)
-        if len(draft) == 0:
+        if length == 0:
             return [own]
-        phrased = draft.source == "global"
-        copy = padded(draft, length)
+        copy, phrased = context_copy(tokens, length, self.config), False
+        if copy[0] < 0 and self.phrases is not None:
+            found = store_copy(self.phrases, tokens, length, self.phrase_config)
+            copy, phrased = found, True
+        if copy[0] < 0:
+            return [own]
         found = Offer(length, True, phrased, declinable=phrased, payload=copy)
         return [found, own]
 
-    def propose(self, state: PairState, round: Round) -> Proposal:
-        backlog = state.backlog
+    def propose(self, state: Backlog, round: Round) -> Proposal:
         copy = None if round.offer is None else round.offer.payload
         if copy is None:
-            proposal = self.inner.propose(backlog.inner, backlog.take(round))
+            proposal = self.inner.propose(state.inner, state.take(round))
             if proposal.top_logprob is None:
                 return proposal
             return replace(proposal, copied=mx.zeros(proposal.tokens.shape, mx.bool_))
         found = copy[: round.cap]
         copy = mx.array(found)[None]
         if self.as_is and bool((found >= 0).all()):
-            backlog.skip(round)
+            state.skip(round)
             return copied_proposal(copy, self.vocab_size)
-        inner_round = backlog.take(round)
+        inner_round = state.take(round)
         if isinstance(self.inner, DrafterProposer | ChainProposer):
             block = copy[:, : self.inner.drafter.block_size]
             bias = CopyBias(block, mx.array(self.bias, mx.float32))
-            proposal = self.inner.propose(backlog.inner, inner_round, bias)
+            proposal = self.inner.propose(state.inner, inner_round, bias)
         else:
-            proposal = self.inner.propose(backlog.inner, inner_round)
+            proposal = self.inner.propose(state.inner, inner_round)
         if round.cap > proposal.tokens.shape[1]:
             mx.eval(proposal.tokens, proposal.confidence)  # one sync for both
             proposal = follow_copy(proposal, copy)
         return proposal
 
-    def tree_source(self, state: PairState, round: Round):
+    def tree_source(self, state: Backlog, round: Round):
         """Trees do not copy: the inner proposer's tree rows."""
-        backlog = state.backlog
-        return tree_source(self.inner)(backlog.inner, backlog.take(round))
+        return tree_source(self.inner)(state.inner, state.take(round))
 
 
 # What mlx_dspark.load returns as a pair's drafter: a DSpark (or DFlash)

@@ -39,7 +39,7 @@ import mlx.core as mx
 import numpy as np
 
 from .base import Backlog, Offer, Proposal, Proposer, Round, point_mass
-from .copying import Drafter, PairState, copied_proposal, own_proposer
+from .copying import Drafter, copied_proposal, own_proposer
 from .suffix_store import (
     SuffixConfig,
     SuffixDraft,
@@ -166,6 +166,16 @@ def chain_of(draft: SuffixDraft) -> np.ndarray:
         path.append(node)
         node = int(parents[node])
     return draft.tokens[path[::-1]]
+
+
+@dataclass
+class PairState:
+    """One generation's state of a :class:`SuffixPairProposer`: the
+    drafter's (with the features of the rounds it did not draft) and the
+    request's suffix index."""
+
+    backlog: Backlog
+    suffix: SuffixState = field(default_factory=SuffixState)
 
 
 @dataclass

@@ -978,14 +978,35 @@ def padded(draft: SuffixDraft, length: int) -> np.ndarray:
 def context_copy(
     context: Sequence[int] | np.ndarray, length: int, config: SuffixConfig
 ) -> np.ndarray:
-    """The chain the context's own text proposes after its end
-    (:func:`padded` to ``length``), for a caller with no request index."""
+    """The chain the context's own text proposes after its end, :func:`padded`
+    to ``length``. Where the chain stops short it goes on with the chain the
+    context followed by it proposes, as text that repeats itself would (a
+    loop whose copy reaches the end of the text repeats with its period)."""
     tokens = np.asarray(context, np.int64)
-    if tokens.size == 0:
-        return np.full(length, -1, np.int32)
-    index = SuffixIndex(tokens)
-    found = index.match(tokens, config.max_depth, config.max_occurrences)
-    return padded(draft_from_match(found, config, False, length, "request"), length)
+    copied: list[int] = []
+    while tokens.size and len(copied) < length:
+        index = SuffixIndex(tokens)
+        found = index.match(tokens, config.max_depth, config.max_occurrences)
+        more = draft_from_match(found, config, False, length - len(copied))
+        if len(more) == 0:
+            break
+        copied += more.tokens.tolist()
+        tokens = np.concatenate([tokens, more.tokens.astype(np.int64)])
+    out = np.full(length, -1, np.int32)
+    out[: len(copied)] = copied
+    return out
+
+
+def store_copy(
+    store: SuffixStore,
+    context: Sequence[int] | np.ndarray,
+    length: int,
+    config: SuffixConfig,
+) -> np.ndarray:
+    """The chain ``store`` proposes after the context's end, :func:`padded` to
+    ``length``."""
+    found = store.match(context, config.max_depth, config.max_occurrences)
+    return padded(draft_from_match(found, config, False, length, "global"), length)
 
 
 @dataclass
