@@ -39,7 +39,6 @@ import mlx_dspark  # first: it loads a system OpenBLAS before mlx.core
 import argparse
 import inspect
 import json
-import os
 import socket
 import statistics
 import subprocess
@@ -55,11 +54,13 @@ WORKLOADS = ("edit", "passage", "chat", "agent")
 
 
 def edit_prompts() -> list[str]:
+    import shlex
+
     out = []
     for function, old, new in (
         (textwrap.indent, "prefix", "margin"),
         (textwrap.shorten, "width", "limit"),
-        (os.path.relpath, "start", "base"),
+        (shlex.split, "comments", "keep_comments"),
     ):
         source = textwrap.dedent(inspect.getsource(function))
         out.append(
