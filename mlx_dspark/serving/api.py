@@ -28,6 +28,7 @@ from ..errors import DSparkError
 from ..policy.telemetry import render_prometheus
 from ..sampling.processing import SamplingParams
 from .engine import BatchEngine, Event, GenerationRequest, RequestHandle
+from .segments import segment_ends
 
 logger = logging.getLogger("mlx_dspark.server")
 
@@ -155,7 +156,10 @@ def _plain_chat(messages: list[dict]) -> str:
     return (text + "ASSISTANT: ").rstrip()
 
 
-def chat_prompt(tokenizer, body: dict, template_args: dict) -> list[int]:
+def chat_prompt(
+    tokenizer, body: dict, template_args: dict
+) -> tuple[list[int], tuple[int, ...]]:
+    """The prompt's token ids and where its segments end (:mod:`.segments`)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list.", "messages")
@@ -176,16 +180,30 @@ def chat_prompt(tokenizer, body: dict, template_args: dict) -> list[int]:
                 raise BadRequest("chat_template_kwargs must be an object.")
             kwargs.update(extra)
         tools = body.get("tools") or None
-        try:
+
+        def render(messages: list[dict], generation: bool = False) -> list[int]:
             ids = tokenizer.apply_chat_template(
-                clean, tools=tools, add_generation_prompt=True, tokenize=True, **kwargs
+                messages,
+                tools=tools,
+                add_generation_prompt=generation,
+                tokenize=True,
+                **kwargs,
             )
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            return [int(t) for t in ids]
+
+        try:
+            ids = render(clean, True)
         except Exception as error:
             raise BadRequest(f"The chat template failed: {error}", "messages") from None
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
-    return list(tokenizer.encode(_plain_chat(clean)))
+    else:
+
+        def render(messages: list[dict], generation: bool = False) -> list[int]:
+            return list(tokenizer.encode(_plain_chat(messages)))
+
+        ids = render(clean)
+    return ids, segment_ends(render, clean, ids)
 
 
 def text_prompt(tokenizer, body: dict) -> list[int]:
@@ -263,11 +281,11 @@ def parse_request(
             f"{settings.model_name!r}.",
             "model",
         )
-    prompt = (
-        chat_prompt(tokenizer, body, settings.chat_template_args)
-        if chat
-        else text_prompt(tokenizer, body)
-    )
+    segments = ()
+    if chat:
+        prompt, segments = chat_prompt(tokenizer, body, settings.chat_template_args)
+    else:
+        prompt = text_prompt(tokenizer, body)
     if not prompt:
         raise BadRequest("The prompt is empty.", "messages" if chat else "prompt")
     if any(not 0 <= t < vocab_size for t in prompt):
@@ -292,7 +310,9 @@ def parse_request(
         )
     except DSparkError as error:
         raise BadRequest(str(error)) from None
-    request = GenerationRequest(prompt, params, max_tokens, seed, logprobs)
+    request = GenerationRequest(
+        prompt, params, max_tokens, seed, logprobs, segments=segments
+    )
     return ParsedRequest(
         request, stream, bool(options.get("include_usage")), stop, chat, model
     )
