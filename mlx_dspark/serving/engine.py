@@ -720,17 +720,18 @@ class BatchEngine:
         long prefix with one ahead of it waits for that one's snapshot of it
         (:meth:`_leader`); a chunk ends where a snapshot is to be kept.
         """
-        step = self.config.prefill_step_size
-        budget, chunks, ahead = step, [], []
-        for slot in list(self._prefilling):
+        ahead = []
+        for slot in self._prefilling:
             if slot.waiting:  # the snapshot it waited for may be there now
                 self._reuse_prompt(slot)
             slot.waiting = self._leader(slot, ahead) is not None
-            if slot.waiting:
-                continue
-            ahead.append(slot)
+            if not slot.waiting:
+                ahead.append(slot)
+        step = self.config.prefill_step_size
+        budget, chunks = step, []
+        for slot in ahead:
             if budget <= 0:
-                continue
+                break
             end = min(
                 (m for m in slot.marks if m > slot.prefilled),
                 default=len(slot.request.prompt),
