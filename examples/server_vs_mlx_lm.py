@@ -17,8 +17,10 @@ after ``import mlx_dspark``, which loads the system OpenBLAS before
     drafter is trained by a recipe, not installed).
 (b) ``throughput``: ``--clients`` concurrent clients, each sending
     ``--requests`` short chat requests of ``--max-tokens`` tokens; total
-    generated tokens per second, our server with the default pair's drafter
-    against ``mlx_lm.server`` (the default target only).
+    generated tokens per second (median of ``--trials`` server runs, in the
+    order ours, theirs, theirs, ours...), our server with the default pair's
+    drafter against ``mlx_lm.server`` (the default target only). Each server
+    run answers a few requests first.
 
     python examples/server_vs_mlx_lm.py
     python examples/server_vs_mlx_lm.py --parts ttft --targets default
@@ -36,6 +38,7 @@ import argparse
 import http.client
 import inspect
 import json
+import statistics
 import sys
 import tempfile
 import textwrap
@@ -158,27 +161,37 @@ def ttft(name: str, target: Path, drafter, args, log, blas: dict) -> list[str]:
 
 
 def throughput(target: Path, args, log, blas: dict) -> list[str]:
-    rows = []
-    results = {}
-    for server in ("mlx_dspark", "mlx_lm"):
+    """Generated tokens/s per server and number of clients: the median over
+    ``--trials`` server runs, in the order ours, theirs, theirs, ours, ...
+    (a machine that speeds up or slows down favours neither)."""
+    results: dict = {}
+    order = []
+    for trial in range(args.trials):
+        pair = ["mlx_dspark", "mlx_lm"]
+        order += pair if trial % 2 == 0 else pair[::-1]
+    for server in order:
         port = free_port()
         process = start_server(
             command(server, target, port, "default"), server, port, log
         )
         blas[server] = blas_of(process)
         try:
-            run_clients(port, PROMPTS[:1], 1, 1, 4, True)  # warm-up
+            # Warm-up: one request, then a few together.
+            run_clients(port, PROMPTS[:1], 1, 1, args.max_tokens, True)
+            run_clients(port, PROMPTS, 4, 1, 4, True)
             for clients in args.clients:
                 got = run_clients(
                     port, PROMPTS, clients, args.requests, args.max_tokens, True
                 )
                 if got["errors"]:
                     raise SystemExit(f"{server}: {got['errors'][:2]}")
-                results[server, clients] = got["tok_s"]
+                results.setdefault((server, clients), []).append(got["tok_s"])
         finally:
             stop_process(process)
+    rows = []
     for clients in args.clients:
-        ours, theirs = results["mlx_dspark", clients], results["mlx_lm", clients]
+        ours = statistics.median(results["mlx_dspark", clients])
+        theirs = statistics.median(results["mlx_lm", clients])
         rows.append(f"| {clients} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x |")
         print(rows[-1], flush=True)
     return rows
@@ -193,6 +206,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--requests", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--trials", type=int, default=2)
     args = parser.parse_args()
 
     from mlx_dspark.pairs.default import target_dir as default_target
@@ -213,7 +227,8 @@ def main() -> None:
         if "throughput" in args.parts:
             print(
                 f"\n(b) generated tokens/s, SmolLM2-135M, {args.requests} requests "
-                f"of {args.max_tokens} tokens per client\n"
+                f"of {args.max_tokens} tokens per client, median of "
+                f"{args.trials} runs\n"
             )
             print("| clients | mlx_dspark (default drafter) | mlx_lm.server | ratio |")
             print("|---|---|---|---|")
