@@ -121,7 +121,7 @@ DSPARK_KEYS = (
 CALIBRATION_FILE = "dspark_calibration.json"
 TRAINING_RECORD = "training_record.json"
 PHRASES_FILE = (
-    "phrases.npy"  # the phrase store (mlx_dspark.proposers.lookup), token ids
+    "phrases.npy"  # the phrase store (mlx_dspark.proposers.suffix_store), token ids
 )
 
 

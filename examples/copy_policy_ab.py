@@ -45,7 +45,7 @@ from mlx_dspark.policy.calibration import CalibrationResult
 from mlx_dspark.policy.policies import resolve_policy
 from mlx_dspark.policy.settings import build_settings
 from mlx_dspark.proposers.copying import pair_proposer
-from mlx_dspark.proposers.lookup import PhraseStore
+from mlx_dspark.proposers.suffix_store import phrase_store
 from mlx_dspark.targets.adapter import TargetAdapter
 
 
@@ -124,7 +124,7 @@ def main() -> None:
         copy_draft[other] = settings.copy_draft
     phrases = {"default": drafter.phrase_store, "no-phrases": None}
     if args.phrases:
-        phrases[other] = PhraseStore.load(args.phrases)
+        phrases[other] = phrase_store(args.phrases)
     memory = {"default": None, other: None}
     alone = make_sampler(0.0)
     # warm up both paths (the default policy measures this machine once)

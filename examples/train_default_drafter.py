@@ -86,7 +86,7 @@ from eval_default_pair import CHAT as HELD_OUT_CHAT
 from eval_default_pair import EVALUATED_MODULES, held_out_modules
 from plot_learning_curves import curve
 
-from mlx_dspark.proposers.lookup import PHRASES_FILE, PhraseStore
+from mlx_dspark.proposers.suffix_store import PHRASES_FILE, write_phrases
 from mlx_dspark.utils import encode_chat_prompt, write_text_atomic
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
@@ -228,7 +228,7 @@ VALIDATION_CODE_CHARS, VALIDATION_DOC_CHARS = 40_000, 20_000
 # ECE is mostly sampling noise: a perfectly calibrated head would show a
 # position-1 ECE of about 0.06 on 408 rounds, 0.03 on 1,440, 0.018 on 4,320.
 CALIBRATE_FLAGS = ["--rounds", "4320", "--max-tokens", "128"]
-# The logit bias on tokens copied from the context (``mlx_dspark.proposers.lookup``),
+# The logit bias on tokens copied from the context (``mlx_dspark.proposers.copying``),
 # written into the last stage's config before it is calibrated: the best of
 # ``examples/tune_copy_bias.py`` on the validation answers and the last T=0
 # shard (0 is DeepSpec's drafting).
@@ -733,7 +733,7 @@ def write_phrase_store(drafter: Path, regen_dir: Path) -> None:
     """The target's own T=0 answers, to the templated prompts
     (``t000-*``) and to its own requests (the first ``STORE_REQUEST_SHARDS``
     of ``REQUESTS_DIR``), as the drafter's phrase store
-    (``mlx_dspark.proposers.lookup.PhraseStore``)."""
+    (``mlx_dspark.proposers.suffix_store.write_phrases``)."""
     shards = sorted(regen_dir.glob("t000-*.jsonl.gz"))
     shards += [REQUESTS_DIR / f"r{i:04d}.jsonl.gz" for i in range(STORE_REQUEST_SHARDS)]
     answers = []
@@ -742,7 +742,7 @@ def write_phrase_store(drafter: Path, regen_dir: Path) -> None:
             for line in f:
                 record = json.loads(line)
                 answers.append(record["tokens"][record["loss_start"] :])
-    PhraseStore.from_documents(answers).save(drafter / PHRASES_FILE)
+    write_phrases(drafter / PHRASES_FILE, answers)
     tokens = sum(len(a) for a in answers)
     print(f"phrase store: {len(answers)} answers, {tokens} tokens", flush=True)
 

@@ -5,16 +5,17 @@
 Teacher-forced on the recipe's validation answers (the target's T=0 answers to
 questions no template writes) and on its last regenerated T=0 shard: at every
 anchor, the drafter's rows for 7 drafts plus the bias on the tokens copied
-from the context (``mlx_dspark.proposers.lookup.continuation``) while the drafts follow
+from the context (``mlx_dspark.proposers.suffix_store.context_copy``) while the drafts follow
 them, exactly as a greedy chain drafts them. Prints the mean accepted length
 (accepted drafts + 1) per bias and set, copying after matches of at least 1,
-2 or 3 tokens (``mlx_dspark.proposers.lookup.MIN_NGRAM``); the held-out sets of
+2 or 3 tokens (the shipped ``COPY_CONFIG.min_match`` is 2); the held-out sets of
 ``eval_default_pair.py`` are never read.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import json
 from pathlib import Path
@@ -27,7 +28,8 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_dspark.errors import DSparkError
-from mlx_dspark.proposers.lookup import continuation
+from mlx_dspark.proposers.copying import COPY_CONFIG
+from mlx_dspark.proposers.suffix_store import context_copy
 from mlx_dspark.targets.adapter import TargetAdapter
 from mlx_dspark.training.loss import draft_logits
 from mlx_dspark.training.model import training_hidden
@@ -58,6 +60,7 @@ def answers(work: Path, max_len: int) -> list[tuple[str, list[int], int]]:
 def accepted_lengths(drafter, target, tokens, start, biases, min_ngram) -> np.ndarray:
     """Teacher-forced accepted length per anchor for each bias, copying after
     matches of at least ``min_ngram`` tokens: ``[biases, anchors]``."""
+    config = dataclasses.replace(COPY_CONFIG, min_match=min_ngram)
     block = drafter.block_size
     _, features = target.hidden(mx.array(tokens)[None], target.make_cache())
     anchors = np.arange(max(start, 1), len(tokens) - 1)
@@ -73,9 +76,7 @@ def accepted_lengths(drafter, target, tokens, start, biases, min_ngram) -> np.nd
         mx.array(blocks)[None],
     )
     rows = np.array(draft_logits(drafter, hidden, mx.array(prev)), dtype=np.float64)
-    copies = np.stack(
-        [continuation(tokens[: a + 1], block, min_ngram) for a in anchors]
-    )
+    copies = np.stack([context_copy(tokens[: a + 1], block, config) for a in anchors])
     # A draft position carries the bias while the drafts before it (here the
     # labels, as only an accepted prefix counts) equal the copied tokens.
     following = np.cumprod(

@@ -232,6 +232,7 @@ def stream_generate(
             stats=stats,
             prefill_step_size=prefill_step_size,
             sampling=sampling,
+            stop_ids=getattr(tokenizer, "eos_token_ids", ()),
         )
 
     detokenizer = tokenizer.detokenizer

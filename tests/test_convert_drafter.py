@@ -433,12 +433,12 @@ def test_conversion_carries_the_calibration_and_training_record(pair, tmp_path):
 
 def test_conversion_carries_the_phrase_store(pair, tmp_path):
     from mlx_dspark import load
-    from mlx_dspark.proposers.lookup import PhraseStore
+    from mlx_dspark.proposers.suffix_store import write_phrases
 
     target_dir, drafter_dir, *_ = pair
     source = tmp_path / "source"
     shutil.copytree(drafter_dir, source)
-    PhraseStore.from_documents([[1, 2, 3, 4], [5, 6, 7]]).save(source / "phrases.npy")
+    write_phrases(source / "phrases.npy", [[1, 2, 3, 4], [5, 6, 7]])
     for options in ({"quantize": True, "bits": 4}, {"to": "deepspec"}):
         out = tmp_path / str(options.get("bits", options.get("to")))
         convert_drafter(source, out, target=target_dir, **options)

@@ -46,7 +46,7 @@ from mlx_dspark.policy.policies import MonitoredPolicy
 from mlx_dspark.proposers.base import Proposal, Round
 from mlx_dspark.proposers.copying import pair_proposer
 from mlx_dspark.proposers.eagle3 import Eagle3Drafter, Eagle3Proposer
-from mlx_dspark.proposers.lookup import PhraseStore
+from mlx_dspark.proposers.suffix_store import SuffixStore
 from mlx_dspark.sampling.processing import SamplingParams
 from mlx_dspark.serving import BatchEngine, EngineConfig, GenerationRequest
 from mlx_dspark.targets.adapter import TargetAdapter
@@ -197,11 +197,13 @@ def test_seeded_coupled_sampling_is_mlx_lm_own(pair, name, policy):
         assert kept > 0
 
 
-def walk_store(model, prompts: list[list[int]], length: int) -> PhraseStore:
+def walk_store(model, prompts: list[list[int]], length: int) -> SuffixStore:
     """A phrase store of the target's greedy text after each prompt."""
-    return PhraseStore.from_documents(
+    store = SuffixStore()
+    store.add_documents(
         [p + target_greedy(model, p, max_tokens=length) for p in prompts]
     )
+    return store
 
 
 @dataclass

@@ -1,14 +1,13 @@
-"""The phrase store: its lookup, its file, the policy's kind of round for it,
+"""The phrase store: the copies it offers, its file, the policy's kind of round for it,
 and losslessness with it."""
 
 import itertools
 import shutil
-from collections import Counter
 
 import numpy as np
 import pytest
+from test_copying import DraftsWithoutTheirBias, copy_bias
 from test_greedy import dspark_tokens, target_greedy
-from test_lookup import DraftsWithoutTheirBias, copy_bias
 from test_policy import NO_PROPOSAL, PLAIN_SECONDS, drafted_seconds
 from test_sampling import (
     SEEDS,
@@ -22,7 +21,14 @@ from mlx_dspark.checkpoints.loading import load_drafter
 from mlx_dspark.decoding.loop import RoundStats
 from mlx_dspark.errors import DSparkError
 from mlx_dspark.policy.adaptive import AdaptivePolicy
-from mlx_dspark.proposers.lookup import PHRASES_FILE, PhraseStore, copy_for
+from mlx_dspark.proposers.base import Backlog
+from mlx_dspark.proposers.copying import CopyProposer
+from mlx_dspark.proposers.suffix_store import (
+    PHRASES_FILE,
+    SuffixStore,
+    read_phrases,
+    write_phrases,
+)
 from mlx_dspark.sampling.processing import SamplingParams
 
 
@@ -32,74 +38,33 @@ def sample(*args, **kwargs):
     return sample_first_three(*args, sampling="residual", **kwargs)
 
 
-def brute_phrases(documents, history, length, min_ngram=3, max_ngram=6):
-    """The store's definition, spelled out."""
-    for n in range(min(max_ngram, len(history)), min_ngram - 1, -1):
-        suffix = list(history[len(history) - n :])
-        after = [
-            (d, i + n)
-            for d, doc in enumerate(documents)
-            for i in range(len(doc) - n + 1)
-            if list(doc[i : i + n]) == suffix
-        ]
-        if after:
-            break
-    else:
-        return [-1] * length
-    out = []
-    for _ in range(length):
-        following = Counter(documents[d][j] for d, j in after if j < len(documents[d]))
-        if not following:
-            break
-        top = max(following.values())
-        token = min(t for t, c in following.items() if c == top)
-        out.append(token)
-        after = [(d, j + 1) for d, j in after if j < len(documents[d])]
-        after = [(d, j) for d, j in after if documents[d][j - 1] == token]
-    return out + [-1] * (length - len(out))
+def stored(documents) -> SuffixStore:
+    store = SuffixStore()
+    store.add_documents(documents)
+    return store
 
 
-def test_phrase_store_takes_the_longest_match_then_the_commonest_tokens():
-    store = PhraseStore.from_documents([[1, 2, 3, 4, 5], [9, 2, 3, 4, 6], [2, 3, 4, 6]])
-    assert store.continuation([0, 2, 3, 4], 3).tolist() == [6, -1, -1]  # 6 twice
-    assert store.continuation([1, 2, 3, 4], 3).tolist() == [5, -1, -1]  # longest
-    assert store.continuation([7, 3, 4], 2).tolist() == [-1, -1]  # unseen
-    assert store.continuation([3, 4], 2).tolist() == [-1, -1]  # too short
-    # A tie goes to the smaller token; documents do not run into each other.
-    store = PhraseStore.from_documents([[5, 5, 5, 8, 1], [5, 5, 5, 7], [2, 5, 5, 8]])
-    assert store.continuation([5, 5, 5], 3).tolist() == [7, -1, -1]
-    assert store.continuation([1, 5, 5, 5], 3).tolist() == [7, -1, -1]
-    assert store.continuation([2, 5, 5], 3).tolist() == [8, -1, -1]
-    assert store.continuation([4, 5, 5], 3).tolist() == [-1, -1, -1]
-    empty = PhraseStore.from_documents([])
-    assert empty.continuation([1, 2, 3], 2).tolist() == [-1, -1]
-
-
-def test_phrase_store_matches_its_definition_on_random_text():
-    rng = np.random.default_rng(0)
-    for trial in range(300):
-        vocab = 2 + trial % 5
-        documents = [
-            rng.integers(0, vocab, size=rng.integers(1, 30)).tolist()
-            for _ in range(rng.integers(1, 6))
-        ]
-        store = PhraseStore.from_documents(documents)
-        for _ in range(5):
-            history = rng.integers(0, vocab, size=rng.integers(0, 9)).tolist()
-            length = int(rng.integers(0, 8))
-            expected = brute_phrases(documents, history, length)
-            got = store.continuation(history, length)
-            assert got.tolist() == expected, (documents, history)
+def offered_copy(documents, tokens, length=2):
+    """The copy a :class:`CopyProposer` with a store of ``documents`` offers
+    after ``tokens`` (None: none), and whether it is the store's."""
+    proposer = CopyProposer(None, 1.0, 100, phrases=stored(documents))
+    state = Backlog(None)
+    offer = proposer.offer(state, tokens, length)[0]
+    if offer.payload is None:
+        return None, False
+    return offer.payload.tolist(), offer.phrases
 
 
 def test_the_context_copy_comes_before_the_store():
-    store = PhraseStore.from_documents([[1, 2, 3, 9, 9]])
-    copy, phrased = copy_for([1, 2, 3], 2, store)
-    assert copy.tolist() == [9, 9] and phrased
-    copy, phrased = copy_for([1, 2, 3, 4, 1, 2, 3], 2, store)
-    assert copy.tolist() == [4, 1] and not phrased
-    copy, phrased = copy_for([5, 6, 7], 2, store)
-    assert copy.tolist() == [-1, -1] and not phrased
+    assert offered_copy([[1, 2, 3, 9, 9]], [1, 2, 3]) == ([9, 9], True)
+    assert offered_copy([[1, 2, 3, 9, 9]], [1, 2, 3, 4, 1, 2, 3]) == ([4, 1], False)
+    # Both store documents follow [9, 2, 3] with 8; the context's one
+    # occurrence of [2, 3] still comes first. The store needs three tokens.
+    documents = [[9, 2, 3, 8], [9, 2, 3, 8]]
+    assert offered_copy(documents, [9, 2, 3, 4, 5, 9, 2, 3]) == ([4, 5], False)
+    assert offered_copy(documents, [9, 2, 3]) == ([8, -1], True)
+    assert offered_copy(documents, [7, 2, 3]) == (None, False)
+    assert offered_copy([[1, 2, 3, 9, 9]], [5, 6, 7]) == (None, False)
 
 
 def test_a_drafter_directory_carries_its_phrase_store(pair_factory, tmp_path):
@@ -107,34 +72,33 @@ def test_a_drafter_directory_carries_its_phrase_store(pair_factory, tmp_path):
     local = tmp_path / "drafter"
     shutil.copytree(drafter_dir, local)
     assert load_drafter(local, model).phrase_store is None
-    PhraseStore.from_documents([[1, 2, 3], [4, 5]]).save(local / PHRASES_FILE)
-    assert [p.name for p in local.iterdir() if p.name.endswith(".partial")] == []
+    write_phrases(local / PHRASES_FILE, [[1, 2, 3], [4, 5]])
+    assert sorted(p.name for p in local.iterdir() if "phrases" in p.name) == [
+        PHRASES_FILE
+    ]
     store = load_drafter(local, model).phrase_store
-    assert store.tokens.tolist() == [1, 2, 3, -1, 4, 5, -1]
+    assert [d.tolist() for d in store.documents()] == [[1, 2, 3], [4, 5]]
     (local / PHRASES_FILE).write_bytes(b"not an array")
-    with pytest.raises(DSparkError, match="is not a phrase store"):
+    with pytest.raises(DSparkError, match="cannot be read"):
         load_drafter(local, model)
     np.save(local / PHRASES_FILE, np.array([2, 3, 0, 4], np.uint16))
-    with pytest.raises(DSparkError, match="each be followed by 0"):
+    with pytest.raises(DSparkError, match="0 after each document"):
         load_drafter(local, model)
     np.save(local / PHRASES_FILE, np.array([2, 3, 0], np.int32))
-    with pytest.raises(DSparkError, match="not a 1-D array of unsigned"):
+    with pytest.raises(DSparkError, match="not a 1-D array of token ids"):
         load_drafter(local, model)
-    PhraseStore.from_documents([[1, 99]]).save(local / PHRASES_FILE)
+    write_phrases(local / PHRASES_FILE, [[1, 99]])
     with pytest.raises(DSparkError, match="beyond the target vocabulary"):
         load_drafter(local, model)
 
 
 def test_a_store_is_saved_in_16_bits_when_its_ids_fit(tmp_path):
     for documents, dtype in (([[0, 65534], []], np.uint16), ([[65535, 7]], np.uint32)):
-        PhraseStore.from_documents(documents).save(tmp_path / PHRASES_FILE)
+        write_phrases(tmp_path / PHRASES_FILE, documents)
         assert np.load(tmp_path / PHRASES_FILE).dtype == dtype
-        store = PhraseStore.load(tmp_path / PHRASES_FILE)
-        assert store.tokens.dtype == np.int32
-        assert (
-            store.tokens.tolist()
-            == PhraseStore.from_documents(documents).tokens.tolist()
-        )
+        read = read_phrases(tmp_path / PHRASES_FILE)
+        assert [d.tolist() for d in read] == documents
+        assert all(d.dtype == np.int32 for d in read)
 
 
 def play_phrases(policy, rounds, accept):
@@ -200,7 +164,7 @@ def store_offering(model, prompt):
     offered the store's copy too."""
     documents = walks(model, range(1, 29), 6)
     walk = documents[prompt[-1] - 1]  # the walk from the prompt's last token
-    return PhraseStore.from_documents([*documents, prompt + walk[1:]])
+    return stored([*documents, prompt + walk[1:]])
 
 
 def stranger_pair(pair_factory, **spec):
@@ -215,7 +179,7 @@ def stranger_pair(pair_factory, **spec):
 @pytest.mark.parametrize("num_draft", [2, 7])
 def test_greedy_identical_with_a_phrase_store(pair_factory, num_draft):
     model, tokenizer, drafter = stranger_pair(pair_factory, block_size=8)
-    store = PhraseStore.from_documents(walks(model, range(1, 29)))
+    store = stored(walks(model, range(1, 29)))
     prompts = [[13, 5, 21], [20, 4, 11, 9], [7, 8], [1, 2, 3]]
     accepted = {}
     with copy_bias(drafter, 1e3):

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import mlx.core as mx
 import numpy as np
 import pytest
-from test_lookup import copy_bias, repeated_walk
+from test_copying import copy_bias, repeated_walk
 from test_sampling import (
     CONFIGS,
     PROMPT,
@@ -32,8 +32,8 @@ from mlx_dspark.policy.scheduler import StepRateCurve
 from mlx_dspark.policy.settings import COPY_DRAFTS
 from mlx_dspark.proposers import copying
 from mlx_dspark.proposers.base import Proposal
-from mlx_dspark.proposers.copying import pair_proposer
-from mlx_dspark.proposers.lookup import continuation
+from mlx_dspark.proposers.copying import COPY_CONFIG, pair_proposer
+from mlx_dspark.proposers.suffix_store import context_copy
 from mlx_dspark.sampling.processing import SamplingParams
 from mlx_dspark.targets.adapter import TargetAdapter
 
@@ -441,7 +441,7 @@ def test_default_policy_with_copying_is_lossless_and_knows_the_copies(
         assert tokens == greedy_target(model, prompt, 64)
         done = 1
         for r in stats.rounds[:-1]:
-            copy = continuation([*prompt, *tokens[:done]], 1)[0] >= 0
+            copy = context_copy([*prompt, *tokens[:done]], 1, COPY_CONFIG)[0] >= 0
             assert r.copy_offered == copy
             assert r.verified <= (COPY_DRAFTS if copy else drafter.block_size)
             offered.append(copy)
@@ -709,12 +709,12 @@ def test_with_copying_a_plain_step_is_queued_before_the_lookup(
     model, _, drafter, *_ = pair_factory(block_size=8)
     target = TargetAdapter(model, drafter.config.target_layer_ids)
     events = []
-    step, lookup = loop.plain_step, copying.copy_for
+    step, lookup = loop.plain_step, copying.context_copy
     monkeypatch.setattr(
         loop, "plain_step", lambda *a: events.append("step") or step(*a)
     )
     monkeypatch.setattr(
-        copying, "copy_for", lambda *a: events.append("lookup") or lookup(*a)
+        copying, "context_copy", lambda *a: events.append("lookup") or lookup(*a)
     )
 
     def run(policy) -> str:

@@ -299,7 +299,9 @@ def read_only(path):
 
 
 @pytest.mark.parametrize(
-    "spoil", [unreadable, read_only, "unwritable directory", "absent"], ids=str
+    "spoil",
+    [unreadable, read_only, "unwritable directory", "absent"],
+    ids=lambda spoil: getattr(spoil, "__name__", spoil),
 )
 def test_a_profile_that_cannot_take_the_run_s_costs_is_left_alone(
     full_pair, monkeypatch, spoil

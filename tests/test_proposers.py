@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 import pytest
+from test_copying import copy_bias
 from test_greedy import target_greedy
-from test_lookup import copy_bias
-from test_phrases import store_offering, stranger_pair, walks
+from test_phrases import store_offering, stored, stranger_pair, walks
 from test_sampling import (
     SEEDS,
     chi_square,
@@ -26,7 +26,6 @@ from mlx_dspark.errors import DSparkError
 from mlx_dspark.policy.policies import MonitoredPolicy
 from mlx_dspark.proposers.base import Backlog, Offer, Proposal, Round
 from mlx_dspark.proposers.copying import pair_proposer
-from mlx_dspark.proposers.lookup import PhraseStore
 from mlx_dspark.sampling.coupled import mlx_lm_draw
 from mlx_dspark.sampling.processing import SamplingParams, processed_logits
 from mlx_dspark.serving import BatchEngine, EngineConfig, GenerationRequest
@@ -140,7 +139,7 @@ def mixed_pair(pair_factory, **spec):
     the context and from a store of the target's own text, and a bigram
     proposer: every kind of round occurs."""
     model, tokenizer, drafter = stranger_pair(pair_factory, **spec)
-    drafter.phrase_store = PhraseStore.from_documents(walks(model, range(1, 29)))
+    drafter.phrase_store = stored(walks(model, range(1, 29)))
     return model, drafter, BigramProposer(bigram_table(model))
 
 

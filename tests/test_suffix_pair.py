@@ -8,8 +8,8 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 import numpy as np
 import pytest
+from test_copying import REPEATING_PROMPTS, repeated_walk
 from test_greedy import target_greedy
-from test_lookup import REPEATING_PROMPTS, repeated_walk
 from test_sampling import CONFIGS, SEEDS, chi_square, chi_square_critical, exact_joint
 from test_sampling import sample_first_three as sample_with
 from test_seed import MAX_TOKENS as SEED_TOKENS
@@ -25,13 +25,12 @@ from mlx_dspark.policy.costs import RoundCosts
 from mlx_dspark.policy.policies import MonitoredPolicy
 from mlx_dspark.proposers.base import Proposal, point_mass
 from mlx_dspark.proposers.copying import own_proposer
-from mlx_dspark.proposers.lookup import PhraseStore
 from mlx_dspark.proposers.suffix import (
     SuffixPairProposer,
     SuffixProposer,
-    phrase_suffix_store,
     suffix_pair_proposer,
 )
+from mlx_dspark.proposers.suffix_store import phrase_store, write_phrases
 from mlx_dspark.targets.adapter import TargetAdapter
 
 MIXED_PROMPTS = [*REPEATING_PROMPTS, [3, 14, 15, 9], [13, 5, 5, 21, 2, 17]]
@@ -179,13 +178,10 @@ def test_the_phrase_store_is_the_global_part(pair, tmp_path):
     store: drafts from it are offered as the phrase store's copies."""
     model, _, drafter, *_ = pair
     walk = repeated_walk(model, 14)
-    store = PhraseStore.from_documents([walk, [1, 2, 3]])
-    store.save(tmp_path / "phrases.npy")
+    write_phrases(tmp_path / "phrases.npy", [walk, [1, 2, 3]])
     original = getattr(drafter, "phrase_store", None)
-    drafter.phrase_store = PhraseStore.load(tmp_path / "phrases.npy")
+    drafter.phrase_store = global_store = phrase_store(tmp_path / "phrases.npy")
     try:
-        global_store = phrase_suffix_store(drafter)
-        assert global_store is phrase_suffix_store(drafter)  # built once
         assert [d.tolist() for d in global_store.documents()] == [walk, [1, 2, 3]]
         proposer = suffix_pair_proposer(drafter, 12)
         state = proposer.make_state()

@@ -103,6 +103,33 @@ def test_a_request_drafts_from_another_requests_output(target, scope):
         engine.stop()
 
 
+def test_a_request_drafts_from_an_answer_still_being_written(target):
+    """A long request's answer is in the global store while it is written: a
+    short request with the same prompt, started once the long one is ahead
+    and finished before it, drafts from that live answer."""
+    model, tokenizer, _ = target
+    prompt = PROMPTS[0]
+    long_tokens = 3 * MAX_TOKENS
+    expected = plain(model, tokenizer, prompt)
+    engine = engine_for(model, tokenizer, "global")
+    try:
+        first = engine.submit(GenerationRequest(prompt, max_tokens=long_tokens))
+        written = []
+        while len(written) < 12:
+            event = first.events.get(timeout=120)
+            written += event.tokens
+            assert not event.finish_reason
+        second, usage = ask(engine, prompt)
+        assert second == expected
+        assert engine.stats.suffix_store_documents == 2
+        assert list(engine.proposer.store._live)  # the long answer: still open
+        assert usage["dspark"]["suffix_global_rounds"] > 0
+        assert usage["dspark"]["suffix_global_accepted"] > 0
+        assert collect([first])[0]
+    finally:
+        engine.stop()
+
+
 def test_metrics_name_the_suffix_rounds(target):
     model, tokenizer, _ = target
     engine = engine_for(model, tokenizer, "global")

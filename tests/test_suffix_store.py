@@ -13,7 +13,6 @@ import pytest
 
 from mlx_dspark.errors import DSparkError
 from mlx_dspark.proposers import suffix_store as ss
-from mlx_dspark.proposers.lookup import PhraseStore
 
 # ------------------------------------------------------------ the reference
 
@@ -352,7 +351,7 @@ def test_runs_merge_and_stay_consistent():
 def test_phrase_store_files_fill_the_global_part(tmp_path):
     documents = [[5, 6, 7, 8], [1, 2], [300, 70000, 5, 6, 9]]
     path = tmp_path / "phrases.npy"
-    PhraseStore.from_documents(documents).save(path)
+    ss.write_phrases(path, documents)
     store = ss.SuffixStore()
     assert store.add_phrases(path) == 3
     assert [d.tolist() for d in store.documents()] == documents

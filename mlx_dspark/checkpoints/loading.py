@@ -14,7 +14,7 @@ from ..proposers.copying import Drafter
 from ..proposers.dspark import DSparkDrafter
 from ..proposers.dspark_config import DraftConfig
 from ..proposers.eagle3_config import Eagle3Config
-from ..proposers.lookup import PHRASES_FILE, PhraseStore
+from ..proposers.suffix_store import PHRASES_FILE, SuffixStore, phrase_store
 from ..sampling.coupled import own_keys
 from ..targets.adapter import TargetAdapter
 from .weights import (
@@ -108,13 +108,17 @@ def is_dspark_drafter(path_or_repo: str | Path) -> bool:
     """Whether a draft model is one this package's loop runs (a DSpark, DFlash
     or EAGLE-3 drafter, by its config), rather than an ordinary mlx-lm model
     for mlx-lm's own speculative decoding."""
+    from ..proposers.gemma4_assistant_config import is_assistant
     from .eagle3 import is_eagle3
+    from .mtp import is_mtp
 
     config = read_config(resolve_path(path_or_repo, "draft model"))
+    if is_assistant(config):
+        return True
     architectures = config.get("architectures") or []
     speculators = "speculators_model_type" in config or "speculators_config" in config
     dspark = any("DSpark" in str(a) for a in architectures)
-    return speculators or dspark or is_eagle3(config)
+    return speculators or dspark or is_eagle3(config) or is_mtp(config)
 
 
 def check_pair(config: DraftConfig, target: TargetAdapter) -> None:
@@ -144,11 +148,21 @@ def build_drafter(
 def load_drafter(path_or_repo: str | Path, target: nn.Module | None = None) -> Drafter:
     """Load a DeepSpec-format (or converted MLX) drafter, optionally for
     ``target``: a DSpark (or DFlash) drafter, or an EAGLE-3 one (DeepSpec,
-    speculators or MLX, :func:`~mlx_dspark.checkpoints.eagle3.load_eagle3`)."""
+    speculators or MLX, :func:`~mlx_dspark.checkpoints.eagle3.load_eagle3`), or
+    an MTP module (:func:`~mlx_dspark.checkpoints.mtp.load_mtp`)."""
     path = resolve_path(path_or_repo, "drafter")
     raw = read_config(path)
+    from ..proposers.gemma4_assistant_config import is_assistant
     from .eagle3 import is_eagle3, load_eagle3
+    from .gemma4_assistant import load_assistant
+    from .mtp import is_mtp, load_mtp
 
+    if is_assistant(raw):
+        return load_assistant(path, target)
+    if is_mtp(raw):
+        drafter = load_mtp(path, target)
+        drafter.phrase_store = None
+        return drafter
     if is_eagle3(raw):
         drafter = load_eagle3(path, target)
         attach_phrase_store(drafter, path)
@@ -178,14 +192,13 @@ def attach_phrase_store(drafter: Drafter, path: Path) -> None:
         drafter.phrase_store = read_phrase_store(phrases, drafter.config)
 
 
-def read_phrase_store(file: Path, config: DraftConfig | Eagle3Config) -> PhraseStore:
-    """A drafter's :class:`~mlx_dspark.proposers.lookup.PhraseStore`, checked against
+def read_phrase_store(file: Path, config: DraftConfig | Eagle3Config) -> SuffixStore:
+    """A drafter's phrase store as a pre-filled global
+    :class:`~mlx_dspark.proposers.suffix_store.SuffixStore`, checked against
     its target vocabulary."""
-    try:
-        store = PhraseStore.load(file)
-    except (OSError, ValueError) as error:
-        raise DSparkError(f"{file} is not a phrase store: {error}.") from None
-    if store.tokens.size and store.tokens.max() >= config.vocab_size:
+    store = phrase_store(file)
+    largest = max((int(d.max()) for d in store.documents() if d.size), default=-1)
+    if largest >= config.vocab_size:
         raise DSparkError(
             f"{file} holds token ids beyond the target vocabulary "
             f"({config.vocab_size})."

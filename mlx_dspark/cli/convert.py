@@ -38,7 +38,16 @@ def convert(
         "--draft-model",
         metavar="PATH|REPO",
         help="DSpark drafter (DeepSpec, speculators 'dspark' or MLX checkpoint) "
-        "or EAGLE-3 drafter (DeepSpec, speculators 'eagle3' or MLX).",
+        "or EAGLE-3 drafter (DeepSpec, speculators 'eagle3' or MLX) or Gemma-4 "
+        "assistant (Hugging Face '*-assistant' or MLX).",
+    ),
+    mtp: str | None = typer.Option(
+        None,
+        "--mtp",
+        metavar="PATH|REPO",
+        help="Original Qwen3-Next / Qwen3.5 / Qwen3.5-MoE checkpoint: write its "
+        "multi-token-prediction module as a drafter for any MLX conversion of "
+        "it (float, or -q --q-bits 4|8).",
     ),
     out: str | None = typer.Option(
         None, "--out", metavar="DIR", help="Output directory."
@@ -102,14 +111,16 @@ def convert(
     ),
 ) -> None:
     """Convert checkpoints into MLX model directories."""
-    if (gguf is None) == (draft_model is None):
-        raise DSparkError("Give one of --gguf and --draft-model (not both).")
+    if [gguf, draft_model, mtp].count(None) != 2:
+        raise DSparkError("Give one of --gguf, --draft-model and --mtp.")
     _choice("--q-bits", q_bits, (2, 3, 4, 6, 8))
     _choice("--q-group-size", q_group_size, (32, 64, 128))
     _choice("--to", to, ("mlx", "deepspec", "speculators"))
     _choice("--dtype", dtype, ("float16", "bfloat16", "float32"))
     args = SimpleNamespace(**locals())
-    if args.gguf is not None:
+    if args.mtp is not None:
+        convert_mtp_cli(args)
+    elif args.gguf is not None:
         used = [f"--{k.replace('_', '-')}" for k in _DRAFTER_ONLY if getattr(args, k)]
         if used or args.to != "mlx":
             raise DSparkError(f"{(used or ['--to'])[0]} applies to --draft-model only.")
@@ -149,8 +160,12 @@ def convert_gguf_cli(args: SimpleNamespace) -> None:
 
 def convert_drafter_cli(args: SimpleNamespace) -> None:
     from ..checkpoints.eagle3 import is_eagle3_path
+    from ..checkpoints.gemma4_assistant import is_assistant_path
     from ..convert.drafter import convert_drafter, describe_plan, plan_drafter
 
+    if is_assistant_path(args.draft_model):
+        convert_assistant_cli(args)
+        return
     if is_eagle3_path(args.draft_model):
         convert_eagle3_cli(args)
         return
@@ -205,6 +220,66 @@ def convert_eagle3_cli(args: SimpleNamespace) -> None:
     print(
         f"wrote {args.out} ({kind} MLX EAGLE-3 drafter, {result.config.flavour}): "
         f"{written / 2**20:.1f} MiB of weights"
+    )
+
+
+def convert_assistant_cli(args: SimpleNamespace) -> None:
+    from ..convert.gemma4_assistant import convert_assistant
+
+    if args.target or args.to != "mlx":
+        flag = "--target" if args.target else "--to"
+        raise DSparkError(f"{flag} does not apply to Gemma-4 assistant drafters.")
+    if args.dry_run:
+        raise DSparkError("--dry-run does not apply to Gemma-4 assistant drafters.")
+    if not args.out:
+        raise DSparkError("--out is required.")
+    if not args.quantize and (args.q_bits or args.q_group_size):
+        raise DSparkError("--q-bits and --q-group-size need -q.")
+    result = convert_assistant(
+        args.draft_model,
+        args.out,
+        quantize=args.quantize,
+        bits=args.q_bits,
+        group_size=args.q_group_size,
+        dtype=args.dtype,
+        force=args.force,
+    )
+    kind = f"{result.bits}-bit" if result.bits else "float"
+    written = sum(f.stat().st_size for f in Path(args.out).glob("*.safetensors"))
+    print(
+        f"wrote {args.out} ({kind} MLX Gemma-4 assistant drafter): "
+        f"{written / 2**20:.1f} MiB of weights"
+    )
+
+
+def convert_mtp_cli(args: SimpleNamespace) -> None:
+    from ..convert.mtp import extract_mtp
+
+    if args.target or args.to != "mlx" or args.dry_run:
+        flag = (
+            "--target" if args.target else "--to" if args.to != "mlx" else "--dry-run"
+        )
+        raise DSparkError(f"{flag} does not apply to --mtp.")
+    if not args.out:
+        raise DSparkError("--out is required.")
+    if not args.quantize and (args.q_bits or args.q_group_size):
+        raise DSparkError("--q-bits and --q-group-size need -q.")
+    bits = (args.q_bits or 4) if args.quantize else None
+    if bits not in (None, 4, 8):
+        raise DSparkError("--mtp writes 4-bit or 8-bit drafters with -q.")
+    result = extract_mtp(
+        args.mtp,
+        args.out,
+        bits=bits,
+        group_size=args.q_group_size or 64,
+        dtype=args.dtype,
+        force=args.force,
+    )
+    kind = f"{bits}-bit" if bits else "float"
+    written = sum(f.stat().st_size for f in Path(args.out).glob("*.safetensors"))
+    print(
+        f"wrote {args.out} ({kind} MTP drafter for "
+        f"{result.config.target_model_type}): {written / 2**20:.2f} MiB of weights"
     )
 
 

@@ -78,6 +78,30 @@ def render_support(support: Support, console: Console) -> None:
     )
 
 
+def mtp_weights(model: str, support: Support) -> bool | None:
+    """Whether the checkpoint carries an MTP module (None: not an MTP
+    family, or not known without downloading weights)."""
+    from ..proposers.mtp_config import MTP_MODEL_TYPES
+
+    if support.model_type not in MTP_MODEL_TYPES:
+        return None
+    from ..checkpoints.mtp import carries_mtp
+
+    return carries_mtp(model)
+
+
+def mtp_line(model: str, carries: bool) -> str:
+    if carries:
+        return (
+            f"{model}: carries MTP weights; extract a drafter with "
+            f"mlx_dspark.convert --mtp {model} --out DIR."
+        )
+    return (
+        f"{model}: carries no MTP weights (mlx-lm conversions drop them); "
+        "extract them from the original checkpoint."
+    )
+
+
 def doctor(
     as_json: bool = typer.Option(
         False, "--json", help="Print machine-readable JSON.", metavar=""
@@ -94,10 +118,13 @@ def doctor(
     --model whether a model can be a target."""
     if model is not None:
         support = target_support(model)
+        mtp = mtp_weights(model, support)
         if as_json:
-            print(json.dumps(asdict(support), indent=2))
+            print(json.dumps({**asdict(support), "mtp_weights": mtp}, indent=2))
         else:
             render_support(support, Console())
+            if mtp is not None:
+                print(mtp_line(model, mtp))
         if not support.supported:
             raise typer.Exit(1)
         return

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Protocol
 
 import mlx.core as mx
 import numpy as np
 
-from ..proposers.base import Offer, Proposal, Proposer, Round, joined
+from ..proposers.base import Offer, Proposal, Proposer, Round, cut_at_stop, joined
 from ..sampling.coupled import TokenKey, TokenKeys, mlx_lm_token, resolve_sampling
 from ..sampling.processing import SamplingParams, probabilities, sample
 from ..targets.adapter import TargetAdapter
@@ -45,7 +46,7 @@ class RoundStats:
 
 # The kinds of rounds, in the order a summary lists them: plain (no drafts),
 # the drafter's own block, a copy from the context, a copy from the phrase
-# store (:mod:`~mlx_dspark.proposers.lookup`).
+# store (:mod:`~mlx_dspark.proposers.copying`).
 ROUND_KINDS = ("plain", "own", "copy", "phrases")
 
 
@@ -138,7 +139,7 @@ class DraftPolicy(Protocol):
     Two optional methods are called when a policy has them: ``round_cap(cap,
     copy, phrases) -> int`` may lower a round's cap before drafting (it must
     not look at the round's drafts; the memory guard uses it; ``copy`` says
-    whether the round is offered a copy, see :mod:`~mlx_dspark.proposers.lookup`, and
+    whether the round is offered a copy, see :mod:`~mlx_dspark.proposers.copying`, and
     ``phrases`` whether that copy comes from the drafter's phrase store), and
     ``observe(proposal, round)`` sees every finished round (calibration,
     telemetry).
@@ -236,6 +237,7 @@ def speculative_generate_step(
     stats: GenerationStats | None = None,
     prefill_step_size: int = 512,
     sampling: str | None = None,
+    stop_ids: Collection[int] = (),
 ) -> Iterator[tuple[int, bool]]:
     """Yield ``(token, from_draft)`` until ``max_tokens`` tokens are produced.
 
@@ -257,10 +259,16 @@ def speculative_generate_step(
     ``mx.random.seed(S)`` the output is mlx-lm's with that seed.
 
     Stopping on end-of-sequence tokens is the caller's job; rounds may commit
-    past it, which does not change the tokens before it.
+    past it, which does not change the tokens before it. ``stop_ids`` (the
+    tokenizer's end-of-sequence tokens) go to the proposer with each round,
+    and a policy whose ``cut_at_stop`` is true never has drafts after a
+    drafted stop token verified (:func:`~mlx_dspark.proposers.base.cut_at_stop`).
     """
     policy = policy or ThresholdPolicy()
     mode = mode or ChainMode()
+    stop_ids = frozenset(int(t) for t in stop_ids)
+    cut_stops = bool(stop_ids) and getattr(policy, "cut_at_stop", False)
+    cut_stops = cut_stops and isinstance(mode, ChainMode)  # a tree is no chain
     stats = stats if stats is not None else GenerationStats()
     keys = None
     if resolve_sampling(sampling, seed) == "coupled" and not params.greedy:
@@ -363,10 +371,15 @@ def speculative_generate_step(
             round_key = keys.peek(cap)  # the drafted tokens' keys, not used up
         else:
             key, round_key = mx.random.split(key)
-        round = Round(history, joined(unseen), cap, params, round_key, offer)
+        round = Round(
+            history, joined(unseen), cap, params, round_key, offer, stop_ids,
+            partial(target.attention_kv, cache),
+        )  # fmt: skip
         proposal = mode.propose(proposer, state, round)
         cap = min(cap, proposal.tokens.shape[1])
         n = policy.draft_length(proposal, cap)
+        if cut_stops and n > 1:
+            n = cut_at_stop(proposal.tokens[0, :n], stop_ids)
         drafted_at = time.perf_counter()
         result, drafts, committed = mode.verify(
             target, cache, anchor, proposal, n, params, rng

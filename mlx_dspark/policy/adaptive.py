@@ -31,7 +31,7 @@ estimate plus ``optimism`` standard errors of its decayed counts) predicts
 plain rounds faster: near the break-even acceptance a short run of rejected
 drafts says little, and once plain the policy learns only from probes.
 
-With a drafter that copies from the context (:mod:`~mlx_dspark.proposers.lookup`),
+With a drafter that copies from the context (:mod:`~mlx_dspark.proposers.copying`),
 rounds the context offers a copy and rounds it does not are two kinds, each
 with its own acceptance, chosen length, plain runs and probes (costs are
 shared): copied runs are kept far longer than the drafter's own guesses, and
@@ -155,6 +155,8 @@ class AdaptivePolicy(RecordingPolicy):
     copies: RoundKind = field(default_factory=RoundKind)  # rounds offered one
     phrases: RoundKind = field(default_factory=RoundKind)  # offered the store's
     suffix: bool = False  # copies are suffix drafts verified as they are
+    # Never verify drafts past a drafted stop token (the loop reads it).
+    cut_at_stop: bool = True
     last_drafted: bool = False
     explored_at: int = 0  # the round of the last exploration
     _offered: bool = False  # the coming round is offered a copy

@@ -54,7 +54,7 @@ import os
 import stat
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -215,20 +215,22 @@ def measure_profile(
         # take in the whole context again.
         tokens = prompt.tolist()
         primed = proposer.make_state()
-        first = Round(tokens, features[:, :-1], 1, SamplingParams(), None)
+        kv = partial(target.attention_kv, cache)  # read by a Gemma-4 assistant
+        first = Round(tokens, features[:, :-1], 1, SamplingParams(), None, target_kv=kv)
         proposer.propose(primed, first)
-        mx.eval(primed.keys, primed.values)
+        mx.eval(primed.arrays())
         round = Round(
             [*tokens, tokens[-1]],
             features[:, -1:],
             drafter.block_size,
             SamplingParams(),
             None,
+            target_kv=kv,
         )
 
         def draft(primed=primed, round=round):
-            # The caches' lists are copied: a round replaces their entries.
-            state = replace(primed, keys=list(primed.keys), values=list(primed.values))
+            # A copy of the primed state: a round changes it.
+            state = primed.copy()
             proposal = proposer.propose(state, round)
             mx.eval(
                 [a for a in (proposal.tokens, proposal.confidence) if a is not None]

@@ -24,7 +24,7 @@ SCHEDULERS = ("off", "threshold", "auto", "adaptive")
 PROFILES = ("auto", "refresh")
 # Drafts a round offered a copy from the context may verify under the default
 # policy: past the drafter's block they are the copy's own tokens, and greedy
-# small models repeat runs far longer than a block (see :mod:`~mlx_dspark.proposers.lookup`).
+# small models repeat runs far longer than a block (see :mod:`~mlx_dspark.proposers.copying`).
 COPY_DRAFTS = 15
 
 # How error messages and notes name each argument (the API's names); the

@@ -57,7 +57,7 @@ first, which the draft policy picks among (:class:`Offer`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -165,6 +165,13 @@ class Round:
     params: SamplingParams
     key: mx.array | list[TokenKey] | None
     offer: Offer | None = None
+    # The tokens that end the generation (the tokenizer's end of sequence):
+    # a chain past one of them is never kept (:func:`cut_at_stop`).
+    stop_ids: frozenset[int] = frozenset()
+    # The target's attention keys/values of the committed positions before
+    # the anchor, per layer kind, for a proposer that attends to them (the
+    # Gemma-4 assistant); asked for only by such a proposer.
+    target_kv: Callable[[], dict] | None = None
 
     @property
     def start(self) -> int:
@@ -189,6 +196,19 @@ class Proposer(Protocol):
 
     def propose(self, state: Any, round: Round) -> Proposal:
         """A chain of at most ``round.cap`` drafts after ``round.anchor``."""
+
+
+def cut_at_stop(tokens: Sequence[int] | mx.array, stop_ids: Collection[int]) -> int:
+    """How many of a chain's drafts to keep: up to and including the first
+    stop token (a draft after it can only be rejected or thrown away, as the
+    generation ends there), all of them when there is none. DeepSpec's
+    EAGLE-3 evaluator ends its chains there."""
+    if isinstance(tokens, mx.array):
+        tokens = tokens.reshape(-1).tolist()
+    for i, token in enumerate(tokens):
+        if token in stop_ids:
+            return i + 1
+    return len(tokens)
 
 
 def tree_source(proposer: Proposer) -> Callable[[Any, Round], tuple[Any, mx.array]]:

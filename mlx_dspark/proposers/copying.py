@@ -1,7 +1,10 @@
 """Context copying and the phrase store, as a proposer composed with a drafter.
 
-:func:`~mlx_dspark.proposers.lookup.copy_for` finds what the context (else the phrase
-store) says comes next. A round offered such a copy (:meth:`CopyProposer.offer`)
+The copy is the suffix store's chain (:mod:`~mlx_dspark.proposers.suffix_store`):
+what the request's own text says comes next
+(:func:`~mlx_dspark.proposers.suffix_store.context_copy`), else what the
+drafter's phrase store (``phrases.npy``, a pre-filled global store) says. A
+round offered such a copy (:meth:`CopyProposer.offer`)
 is drafted by the inner proposer with :class:`CopyBias` on its rows, goes on
 past the drafter's block with the copy's own tokens (:func:`follow_copy`), or,
 with ``as_is``, verifies the copy itself without running the drafter
@@ -18,9 +21,31 @@ import mlx.core as mx
 import numpy as np
 
 from .base import Backlog, Offer, Proposal, Proposer, Round, point_mass, tree_source
+from .chain import ChainProposer
 from .dspark import DrafterProposer, DSparkDrafter
 from .eagle3 import Eagle3Drafter, Eagle3Proposer
-from .lookup import PhraseStore, continuation, copy_for, offers
+from .gemma4_assistant import AssistantDrafter, AssistantProposer
+from .mtp import MTPDrafter, MTPProposer
+from .suffix_store import SuffixConfig, SuffixStore, context_copy, store_copy
+
+# A copy follows the latest earlier occurrence of the text's last three (else
+# two) tokens, as far as the round asks: small targets repeat runs far longer
+# than the few tokens that start them, and the latest run is the one they
+# repeat. One token seen before is weak evidence. (Chosen on the recipe's
+# validation answers with examples/tune_copy_bias.py.)
+COPY_CONFIG = SuffixConfig(
+    max_depth=3, alpha=32.0, max_draft=32, min_prob=0.0, min_match=2, max_occurrences=1
+)
+# A phrase-store copy: the longest suffix of six to three tokens found there,
+# then token by token what most often followed it (the latest on a tie).
+PHRASE_CONFIG = SuffixConfig(
+    max_depth=6,
+    alpha=32.0,
+    max_draft=32,
+    min_prob=0.0,
+    min_match=3,
+    max_occurrences=4096,
+)
 
 
 @dataclass
@@ -130,10 +155,12 @@ class CopyProposer:
     ``longest``: drafts at most in a round offered a copy (None: the
     loop's ``num_draft``); past the inner proposer's drafts they are the
     copy's own tokens. ``as_is``: a round whose copy covers all its drafts
-    verifies the copy as it is, without running ``inner``. ``phrases``: the
-    store a copy comes from when the context offers none; the policy may
-    decline its copies (:class:`~mlx_dspark.proposers.base.Offer`), leaving the
-    round to ``inner``'s own guesses.
+    verifies the copy as it is, without running ``inner``. ``phrases``: a
+    read-only global store a copy comes from when the context offers none;
+    the policy may decline its copies
+    (:class:`~mlx_dspark.proposers.base.Offer`), leaving the round to
+    ``inner``'s own guesses. ``config``, ``phrase_config``: how copies are
+    found in the context and in the store.
     """
 
     inner: Proposer
@@ -141,7 +168,9 @@ class CopyProposer:
     vocab_size: int
     longest: int | None = None
     as_is: bool = False
-    phrases: PhraseStore | None = None
+    phrases: SuffixStore | None = None
+    config: SuffixConfig = COPY_CONFIG
+    phrase_config: SuffixConfig = PHRASE_CONFIG
 
     def make_state(self) -> Backlog:
         return Backlog(self.inner.make_state())
@@ -151,8 +180,13 @@ class CopyProposer:
         inner proposer's own guesses."""
         own = Offer(longest)
         length = self.longest or longest
-        copy, phrased = copy_for(tokens, length, self.phrases)
-        if not offers(copy):
+        if length == 0:
+            return [own]
+        copy, phrased = context_copy(tokens, length, self.config), False
+        if copy[0] < 0 and self.phrases is not None:
+            found = store_copy(self.phrases, tokens, length, self.phrase_config)
+            copy, phrased = found, True
+        if copy[0] < 0:
             return [own]
         found = Offer(length, True, phrased, declinable=phrased, payload=copy)
         return [found, own]
@@ -170,7 +204,7 @@ class CopyProposer:
             state.skip(round)
             return copied_proposal(copy, self.vocab_size)
         inner_round = state.take(round)
-        if isinstance(self.inner, DrafterProposer | Eagle3Proposer):
+        if isinstance(self.inner, DrafterProposer | ChainProposer):
             block = copy[:, : self.inner.drafter.block_size]
             bias = CopyBias(block, mx.array(self.bias, mx.float32))
             proposal = self.inner.propose(state.inner, inner_round, bias)
@@ -187,8 +221,8 @@ class CopyProposer:
 
 
 # What mlx_dspark.load returns as a pair's drafter: a DSpark (or DFlash)
-# drafter or an EAGLE-3 one.
-Drafter = DSparkDrafter | Eagle3Drafter
+# drafter, an EAGLE-3 one, a Gemma-4 assistant or an MTP module.
+Drafter = DSparkDrafter | Eagle3Drafter | AssistantDrafter | MTPDrafter
 
 
 def copies(drafter: Drafter) -> bool:
@@ -201,6 +235,10 @@ def own_proposer(drafter: Drafter) -> Proposer:
     """The drafter's own proposer, without copying."""
     if isinstance(drafter, Eagle3Drafter):
         return Eagle3Proposer(drafter)
+    if isinstance(drafter, AssistantDrafter):
+        return AssistantProposer(drafter)
+    if isinstance(drafter, MTPDrafter):
+        return MTPProposer(drafter)
     return DrafterProposer(drafter)
 
 
@@ -234,5 +272,5 @@ def context_bias(
     does not copy."""
     if not copies(drafter):
         return None
-    copy = mx.array(np.stack([continuation(c, n) for c in contexts]))
+    copy = mx.array(np.stack([context_copy(c, n, COPY_CONFIG) for c in contexts]))
     return CopyBias(copy, mx.array(drafter.config.context_copy_bias, mx.float32))

@@ -10,7 +10,7 @@ recomputed each round and never stored.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -32,6 +32,13 @@ class DraftCache:
     keys: list[mx.array | None]
     values: list[mx.array | None]
     length: int = 0
+
+    def copy(self) -> DraftCache:
+        """A copy that later rounds can change without changing this one."""
+        return replace(self, keys=list(self.keys), values=list(self.values))
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (*self.keys, *self.values) if a is not None]
 
     def extend(self, layer: int, keys: mx.array, values: mx.array) -> None:
         if self.keys[layer] is None:

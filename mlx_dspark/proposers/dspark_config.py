@@ -51,7 +51,7 @@ class DraftConfig:
     confidence_head_with_markov: bool = False
     draft_vocab_size: int | None = None
     # mlx-dspark's own: the logit bias on tokens copied from the context
-    # (``mlx_dspark.proposers.lookup``); 0 leaves drafting as DeepSpec defines it.
+    # (``mlx_dspark.proposers.copying``); 0 leaves drafting as DeepSpec defines it.
     context_copy_bias: float = 0.0
     # Gemma-4 (DeepSpec's Gemma4DSparkModel): full-attention layers with
     # global_head_dim, K = V when attention_k_eq_v, scaled embeddings and

@@ -25,8 +25,8 @@ With a drafter, :class:`SuffixPairProposer` offers the suffix draft first
 (declinable: the policy may leave the round to the drafter), verified as it
 is without running the drafter, then the drafter's own block; a round the
 policy gives neither is a plain step. The drafter's pair's phrase store
-(``phrases.npy``) is the global part there, pre-filled and read-only
-(:func:`phrase_suffix_store`): a draft from it is offered as a phrase-store
+(``phrases.npy``, loaded as ``drafter.phrase_store``) is the global part
+there, pre-filled and read-only: a draft from it is offered as a phrase-store
 copy (``Offer(phrases=True)``), one from the request's index as a context copy,
 so the policy measures the two apart.
 """
@@ -43,37 +43,13 @@ from .copying import Drafter, copied_proposal, own_proposer
 from .suffix_store import (
     SuffixConfig,
     SuffixDraft,
-    SuffixRequest,
+    SuffixState,
     SuffixStore,
-    draft_from_match,
+    best_chain,
 )
 
 # Drafts a suffix round may verify at most (the default SuffixConfig's).
 SUFFIX_MAX_DRAFT = SuffixConfig().max_draft
-
-
-@dataclass
-class SuffixState:
-    """One generation's suffix index: the request (made at the first offer)
-    and how many committed tokens it holds."""
-
-    request: SuffixRequest | None = None
-    seen: int = 0
-
-    def sync(
-        self, tokens: list[int], store: SuffixStore | None, config: SuffixConfig
-    ) -> SuffixRequest:
-        """The request's index holding every committed token of ``tokens``:
-        at the first call the prompt is all but the last token (the loop asks
-        for offers once the first token is generated), later calls append
-        only what is new."""
-        if self.request is None:
-            self.request = SuffixRequest(tokens[:-1], store, config)
-            self.seen = len(tokens) - 1
-        if len(tokens) > self.seen:
-            self.request.extend(tokens[self.seen :])
-            self.seen = len(tokens)
-        return self.request
 
 
 def depths(parents: np.ndarray) -> np.ndarray:
@@ -231,23 +207,11 @@ class SuffixPairProposer:
     def make_state(self) -> PairState:
         return PairState(Backlog(self.inner.make_state()))
 
-    def draft(self, state: PairState, tokens: list[int], longest: int) -> SuffixDraft:
-        """The better chain of the request's index and the store (the
-        request's on a tie), at most ``longest`` tokens."""
-        request = state.suffix.sync(tokens, None, self.config)
-        size = max(0, min(longest, self.config.max_draft))
-        local = request.propose(max_tokens=size)
-        if self.store is None or size == 0:
-            return local
-        config, context = self.config, request.index.tokens
-        found = self.store.match(context, config.max_depth, config.max_occurrences)
-        shared = draft_from_match(found, config, False, size, "global")
-        return local if local.score >= shared.score else shared
-
     def offer(self, state: PairState, tokens: list[int], longest: int) -> list[Offer]:
         """The suffix draft (declinable), then the drafter's own block."""
         own = Offer(longest)
-        draft = self.draft(state, tokens, self.longest or longest)
+        request = state.suffix.sync(tokens, None, self.config)
+        draft = best_chain(request, self.store, self.longest or longest)
         if len(draft) == 0:
             return [own]
         phrases = draft.source == "global"
@@ -269,26 +233,6 @@ class SuffixPairProposer:
         return copied_proposal(mx.array(tokens[None]), self.vocab_size)
 
 
-def phrase_suffix_store(drafter: Drafter) -> SuffixStore | None:
-    """The drafter's phrase store (``phrases.npy``, loaded as
-    ``drafter.phrase_store``) as a pre-filled global :class:`SuffixStore`,
-    built once per drafter; None when it has none."""
-    phrases = getattr(drafter, "phrase_store", None)
-    if phrases is None:
-        return None
-    built = getattr(drafter, "suffix_phrases", None)
-    if built is not None and built[0] is phrases:
-        return built[1]
-    tokens = np.asarray(phrases.tokens, np.int64)
-    ends = np.flatnonzero(tokens < 0)
-    starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64)
-    documents = [tokens[s:e] for s, e in zip(starts, ends, strict=True) if e > s]
-    store = SuffixStore(max(2_000_000, tokens.size), max(100_000, len(documents)))
-    store.add_documents(documents)
-    drafter.suffix_phrases = (phrases, store)
-    return store
-
-
 def suffix_pair_proposer(drafter: Drafter, longest: int | None = None) -> Proposer:
     """The proposer of a drafter's pair with suffix drafts (see
     :class:`SuffixPairProposer`): the drafter's own block, unbiased (the
@@ -297,6 +241,6 @@ def suffix_pair_proposer(drafter: Drafter, longest: int | None = None) -> Propos
     return SuffixPairProposer(
         own_proposer(drafter),
         drafter.config.vocab_size,
-        phrase_suffix_store(drafter),
+        getattr(drafter, "phrase_store", None),
         longest=longest,
     )

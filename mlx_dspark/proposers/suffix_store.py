@@ -46,6 +46,7 @@ from ..errors import DSparkError
 from ..utils import write_atomic
 
 _SEPARATOR = -1
+PHRASES_FILE = "phrases.npy"
 _FORMAT = "mlx-dspark suffix store"
 _VERSION = 1
 
@@ -523,9 +524,8 @@ class SuffixStore:
         self._compact()
 
     def add_phrases(self, path: str | Path) -> int:
-        """Add the documents of a phrase store (``phrases.npy``: token ids + 1,
-        0 after each document, as :class:`mlx_dspark.lookup.PhraseStore`
-        saves it); returns how many."""
+        """Add the documents of a phrase store (``phrases.npy``, see
+        :func:`write_phrases`); returns how many."""
         documents = read_phrases(path)
         self.add_documents(documents)
         return len(documents)
@@ -689,9 +689,33 @@ class SuffixStore:
             ]
 
 
+def write_phrases(path: str | Path, documents: Iterable[Sequence[int]]) -> None:
+    """Write documents as a ``phrases.npy``: token ids + 1, 0 after each
+    document, in 16 bits when they fit (temporary file, then rename)."""
+    parts = [np.append(np.asarray(d, np.int64) + 1, 0) for d in documents]
+    values = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    small = values.size == 0 or values.max() <= np.iinfo(np.uint16).max
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as file:
+            np.save(file, values.astype(np.uint16 if small else np.uint32))
+
+    write_atomic(path, write)
+
+
+def phrase_store(path: str | Path) -> SuffixStore:
+    """The documents of a ``phrases.npy`` as a pre-filled global store,
+    large enough to hold them all."""
+    documents = read_phrases(path)
+    size = sum(d.size for d in documents)
+    store = SuffixStore(max(2_000_000, size), max(100_000, len(documents)))
+    store.add_documents(documents)
+    return store
+
+
 def read_phrases(path: str | Path) -> list[np.ndarray]:
-    """The documents of a ``phrases.npy`` (PhraseStore's format: a 1-D
-    unsigned array of token ids + 1, 0 after each document)."""
+    """The documents of a ``phrases.npy`` (a 1-D unsigned array of token
+    ids + 1, 0 after each document: :func:`write_phrases`)."""
     try:
         values = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError) as error:
@@ -925,3 +949,85 @@ class SuffixRequest:
         if self.store is not None and self.doc is not None:
             self.store.close(self.doc)
         self.doc = None
+
+
+def best_chain(
+    request: SuffixRequest, store: SuffixStore | None, size: int
+) -> SuffixDraft:
+    """The better chain (higher score, the request's on a tie) of the
+    request's index and ``store``, at most ``size`` tokens. ``store`` is read
+    only: unlike the request's own global store, nothing is written to it."""
+    size = max(0, min(size, request.config.max_draft))
+    local = request.propose(max_tokens=size)
+    if store is None or size == 0:
+        return local
+    config, context = request.config, request.index.tokens
+    found = store.match(context, config.max_depth, config.max_occurrences)
+    shared = draft_from_match(found, config, False, size, "global")
+    return local if local.score >= shared.score else shared
+
+
+def padded(draft: SuffixDraft, length: int) -> np.ndarray:
+    """A chain's first ``length`` tokens as int32 ``[length]``, -1 past its end."""
+    out = np.full(length, -1, np.int32)
+    n = min(length, len(draft))
+    out[:n] = draft.tokens[:n]
+    return out
+
+
+def context_copy(
+    context: Sequence[int] | np.ndarray, length: int, config: SuffixConfig
+) -> np.ndarray:
+    """The chain the context's own text proposes after its end, :func:`padded`
+    to ``length``. Where the chain stops short it goes on with the chain the
+    context followed by it proposes, as text that repeats itself would (a
+    loop whose copy reaches the end of the text repeats with its period)."""
+    tokens = np.asarray(context, np.int64)
+    copied: list[int] = []
+    while tokens.size and len(copied) < length:
+        index = SuffixIndex(tokens)
+        found = index.match(tokens, config.max_depth, config.max_occurrences)
+        more = draft_from_match(found, config, False, length - len(copied))
+        if len(more) == 0:
+            break
+        copied += more.tokens.tolist()
+        tokens = np.concatenate([tokens, more.tokens.astype(np.int64)])
+    out = np.full(length, -1, np.int32)
+    out[: len(copied)] = copied
+    return out
+
+
+def store_copy(
+    store: SuffixStore,
+    context: Sequence[int] | np.ndarray,
+    length: int,
+    config: SuffixConfig,
+) -> np.ndarray:
+    """The chain ``store`` proposes after the context's end, :func:`padded` to
+    ``length``."""
+    found = store.match(context, config.max_depth, config.max_occurrences)
+    return padded(draft_from_match(found, config, False, length, "global"), length)
+
+
+@dataclass
+class SuffixState:
+    """One generation's suffix index: the request (made at the first offer)
+    and how many committed tokens it holds."""
+
+    request: SuffixRequest | None = None
+    seen: int = 0
+
+    def sync(
+        self, tokens: list[int], store: SuffixStore | None, config: SuffixConfig
+    ) -> SuffixRequest:
+        """The request's index holding every committed token of ``tokens``:
+        at the first call the prompt is all but the last token (the loop asks
+        for offers once the first token is generated), later calls append
+        only what is new."""
+        if self.request is None:
+            self.request = SuffixRequest(tokens[:-1], store, config)
+            self.seen = len(tokens) - 1
+        if len(tokens) > self.seen:
+            self.request.extend(tokens[self.seen :])
+            self.seen = len(tokens)
+        return self.request

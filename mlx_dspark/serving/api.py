@@ -1,12 +1,14 @@
-"""OpenAI-compatible HTTP front end of :class:`~mlx_dspark.serving.engine.BatchEngine`.
+"""HTTP front end of :class:`~mlx_dspark.serving.engine.BatchEngine`.
 
-Request and response shapes follow OpenAI's API as ``mlx_lm.server`` serves
-it: ``POST /v1/chat/completions`` and ``/v1/completions`` (server-sent events
-when ``stream`` is true), ``GET /v1/models``, ``/health`` and ``/metrics``
-(Prometheus text). Standard library only: a threading HTTP server whose
-handler threads tokenize, queue the request on the engine and write what it
-commits; all MLX work stays on the engine thread. Bad input gets a JSON error
-with status 400 and never reaches the engine.
+OpenAI's API as ``mlx_lm.server`` serves it: ``POST /v1/chat/completions``
+(tool calls and reasoning split out by :mod:`.tool_calls`) and
+``/v1/completions`` (server-sent events when ``stream`` is true), ``GET
+/v1/models``, ``/health`` and ``/metrics`` (Prometheus text); and Anthropic's
+``POST /v1/messages`` and ``/v1/messages/count_tokens`` (:mod:`.anthropic`
+maps them onto the chat route). Standard library only: a threading HTTP
+server whose handler threads tokenize, queue the request on the engine and
+write what it commits; all MLX work stays on the engine thread. Bad input
+gets a JSON error with status 400 and never reaches the engine.
 """
 
 from __future__ import annotations
@@ -27,8 +29,11 @@ import mlx.core as mx
 from ..errors import DSparkError
 from ..policy.telemetry import render_prometheus
 from ..sampling.processing import SamplingParams
+from .anthropic import MessageBuilder, anthropic_error, chat_body, models_list
 from .engine import BatchEngine, Event, GenerationRequest, RequestHandle
+from .errors import BadRequest, ModelNotFound
 from .segments import segment_ends
+from .tool_calls import ChatOutput, Delta, Finish, openai_tool_call, template_tool_calls
 
 logger = logging.getLogger("mlx_dspark.server")
 
@@ -41,24 +46,14 @@ UNSUPPORTED = (
 )
 
 
-class BadRequest(Exception):
-    """Invalid client input: becomes an OpenAI-style error with status 400."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-class ModelNotFound(BadRequest):
-    """A request for a model this server does not serve: status 404, as OpenAI."""
-
-
 POST_ROUTES = {
     "/v1/completions": False,
     "/completions": False,
     "/v1/chat/completions": True,
     "/chat/completions": True,
 }  # path -> whether it is a chat route
+# Anthropic's Messages API: path -> whether it only counts the prompt's tokens.
+MESSAGES_ROUTES = {"/v1/messages": False, "/v1/messages/count_tokens": True}
 GET_ROUTES = ("/v1/models", "/models", "/health", "/metrics")
 
 
@@ -86,6 +81,7 @@ class ParsedRequest:
     stop: list[str]
     chat: bool
     model: str
+    tools: list | None = None  # the chat request's tools, OpenAI's shape
 
 
 def _number(
@@ -156,10 +152,22 @@ def _plain_chat(messages: list[dict]) -> str:
     return (text + "ASSISTANT: ").rstrip()
 
 
-def chat_prompt(
+def chat_prompt(tokenizer, body: dict, template_args: dict) -> list[int]:
+    return _rendered(tokenizer, body, template_args)[0]
+
+
+def chat_prompt_segments(
     tokenizer, body: dict, template_args: dict
 ) -> tuple[list[int], tuple[int, ...]]:
     """The prompt's token ids and where its segments end (:mod:`.segments`)."""
+    ids, render, messages = _rendered(tokenizer, body, template_args)
+    return ids, segment_ends(render, messages, ids)
+
+
+def _rendered(tokenizer, body: dict, template_args: dict):
+    """The prompt's token ids, the function that rendered them (for a list
+    of messages, without the generation prompt by default) and the messages
+    it rendered."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list.", "messages")
@@ -169,9 +177,17 @@ def chat_prompt(
             raise BadRequest(
                 f"messages[{i}] must be an object with a string role.", "messages"
             )
-        clean.append(
-            {**m, "content": _content_text(m.get("content"), f"messages[{i}]")}
-        )
+        message = {**m, "content": _content_text(m.get("content"), f"messages[{i}]")}
+        try:
+            calls = template_tool_calls(m, f"messages[{i}]")
+        except ValueError as error:
+            raise BadRequest(str(error), "messages") from None
+        if calls is not None:
+            message["tool_calls"] = calls
+        clean.append(message)
+    tools = body.get("tools") or None
+    if tools is not None and not isinstance(tools, list):
+        raise BadRequest("tools must be a list.", "tools")
     if getattr(tokenizer, "has_chat_template", False) and tokenizer.chat_template:
         kwargs = dict(template_args)
         extra = body.get("chat_template_kwargs")
@@ -179,7 +195,8 @@ def chat_prompt(
             if not isinstance(extra, dict):
                 raise BadRequest("chat_template_kwargs must be an object.")
             kwargs.update(extra)
-        tools = body.get("tools") or None
+        if tools and not getattr(tokenizer, "has_tool_calling", False):
+            logger.warning("tools given, but this model's tool-call format is unknown")
 
         def render(messages: list[dict], generation: bool = False) -> list[int]:
             ids = tokenizer.apply_chat_template(
@@ -203,7 +220,7 @@ def chat_prompt(
             return list(tokenizer.encode(_plain_chat(messages)))
 
         ids = render(clean)
-    return ids, segment_ends(render, clean, ids)
+    return ids, render, clean
 
 
 def text_prompt(tokenizer, body: dict) -> list[int]:
@@ -222,6 +239,20 @@ def text_prompt(tokenizer, body: dict) -> list[int]:
     ):
         return list(prompt)
     raise BadRequest("prompt must be a string or a list of token ids.", "prompt")
+
+
+def check_model(body: dict, settings: ServerSettings) -> str:
+    """The requested model's name; ModelNotFound if it is not this one."""
+    model = body.get("model", settings.model_name)
+    if not isinstance(model, str):
+        raise BadRequest("model must be a string.", "model")
+    if model not in (settings.model_name, "default_model"):
+        raise ModelNotFound(
+            f"The model {model!r} does not exist: this server serves "
+            f"{settings.model_name!r}.",
+            "model",
+        )
+    return model
 
 
 def parse_request(
@@ -272,18 +303,12 @@ def parse_request(
     elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise BadRequest("stop must be a string or a list of strings.", "stop")
     stop = [s for s in stop if s]
-    model = body.get("model", settings.model_name)
-    if not isinstance(model, str):
-        raise BadRequest("model must be a string.", "model")
-    if model not in (settings.model_name, "default_model"):
-        raise ModelNotFound(
-            f"The model {model!r} does not exist: this server serves "
-            f"{settings.model_name!r}.",
-            "model",
-        )
+    model = check_model(body, settings)
     segments = ()
     if chat:
-        prompt, segments = chat_prompt(tokenizer, body, settings.chat_template_args)
+        prompt, segments = chat_prompt_segments(
+            tokenizer, body, settings.chat_template_args
+        )
     else:
         prompt = text_prompt(tokenizer, body)
     if not prompt:
@@ -314,7 +339,13 @@ def parse_request(
         prompt, params, max_tokens, seed, logprobs, segments=segments
     )
     return ParsedRequest(
-        request, stream, bool(options.get("include_usage")), stop, chat, model
+        request,
+        stream,
+        bool(options.get("include_usage")),
+        stop,
+        chat,
+        model,
+        (body.get("tools") or None) if chat else None,
     )
 
 
@@ -330,12 +361,14 @@ class StopText:
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.pending = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that cut the text
 
     def push(self, text: str, final: bool = False) -> str:
         self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stop) if i >= 0]
+        hits = [(i, s) for s in self.stop if (i := self.pending.find(s)) >= 0]
         if hits:
-            out, self.pending, self.stopped = self.pending[: min(hits)], "", True
+            at, self.matched = min(hits, key=lambda hit: hit[0])
+            out, self.pending, self.stopped = self.pending[:at], "", True
             return out
         keep = 0 if final else min(self.hold, len(self.pending))
         cut = len(self.pending) - keep
@@ -368,6 +401,7 @@ class APIHandler(BaseHTTPRequestHandler):
 
     protocol_version = "HTTP/1.1"
     server: DSparkHTTPServer
+    anthropic = False  # whether the route is Anthropic's (errors in its shape)
 
     def log_message(self, format, *args):  # noqa: A002 (the base class's name)
         logger.debug("%s - %s", self.address_string(), format % args)
@@ -414,10 +448,27 @@ class APIHandler(BaseHTTPRequestHandler):
     def do_OPTIONS(self):
         self._headers(204, "application/json", 0)
 
+    def _error(
+        self, status: int, message: str, param=None, kind=None, code=None
+    ) -> None:
+        """An error body in the shape of the route's API."""
+        if self.anthropic:
+            self._send_json(status, anthropic_error(status, message))
+            return
+        if kind is None:
+            kind = {404: "not_found", 500: "server_error", 503: "server_error"}.get(
+                status, "invalid_request_error"
+            )
+        self._send_json(status, error_body(message, param, kind, code))
+
     def do_GET(self):
         path = self.path.split("?", 1)[0]
+        self.anthropic = path in MESSAGES_ROUTES
         if path in ("/v1/models", "/models"):
             settings = self.server.settings
+            if self.headers.get("anthropic-version"):
+                self._send_json(200, models_list(settings))
+                return
             model = {
                 "id": settings.model_name,
                 "object": "model",
@@ -434,17 +485,18 @@ class APIHandler(BaseHTTPRequestHandler):
             self._send_text(
                 200, metrics_text(self.server.engine), "text/plain; version=0.0.4"
             )
-        elif path in POST_ROUTES:
+        elif path in POST_ROUTES or self.anthropic:
             self._wrong_method(path, "POST")
         else:
-            self._send_json(404, error_body(f"Not found: {path}", kind="not_found"))
+            self._error(404, f"Not found: {path}")
 
     def _wrong_method(self, path: str, allowed: str) -> None:
-        data = json.dumps(
-            error_body(
-                f"{path} takes {allowed} requests only.", kind="invalid_request_error"
-            )
-        ).encode()
+        message = f"{path} takes {allowed} requests only."
+        if self.anthropic:
+            body = anthropic_error(405, message)
+        else:
+            body = error_body(message, kind="invalid_request_error")
+        data = json.dumps(body).encode()
         self.send_response(405)
         self.send_header("Allow", allowed)
         self.send_header("Content-Type", "application/json")
@@ -455,7 +507,7 @@ class APIHandler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         path = self.path.split("?", 1)[0]
-        routes = POST_ROUTES
+        self.anthropic = path in MESSAGES_ROUTES
         length = self.headers.get("Content-Length")
         try:
             length = int(length)
@@ -463,48 +515,50 @@ class APIHandler(BaseHTTPRequestHandler):
                 raise ValueError
         except (TypeError, ValueError):
             self.close_connection = True
-            self._send_json(
-                411, error_body("A valid Content-Length header is required.")
-            )
+            self._error(411, "A valid Content-Length header is required.")
             return
         raw = self.rfile.read(length)
         if path in GET_ROUTES:
             self._wrong_method(path, "GET")
             return
-        if path not in routes:
-            self._send_json(404, error_body(f"Not found: {path}", kind="not_found"))
+        if path not in POST_ROUTES and not self.anthropic:
+            self._error(404, f"Not found: {path}")
             return
         engine = self.server.engine
         if not engine.alive:
-            self._send_json(
-                503,
-                error_body(
-                    "The generation engine is not running.", kind="server_error"
-                ),
-            )
+            self._error(503, "The generation engine is not running.")
             return
+        server = self.server
         try:
             try:
                 body = json.loads(raw.decode())
             except (UnicodeDecodeError, json.JSONDecodeError) as error:
                 raise BadRequest(f"Invalid JSON in the request body: {error}") from None
+            chat = POST_ROUTES.get(path, True)
+            if self.anthropic:
+                body = chat_body(body, count=MESSAGES_ROUTES[path])
+                if MESSAGES_ROUTES[path]:
+                    check_model(body, server.settings)
+                    prompt = chat_prompt(
+                        server.tokenizer, body, server.settings.chat_template_args
+                    )
+                    self._send_json(200, {"input_tokens": len(prompt)})
+                    return
             parsed = parse_request(
-                body,
-                routes[path],
-                self.server.tokenizer,
-                self.server.settings,
-                engine.target.vocab_size,
+                body, chat, server.tokenizer, server.settings, engine.target.vocab_size
             )
         except ModelNotFound as error:
-            body = error_body(str(error), error.param, code="model_not_found")
-            self._send_json(404, body)
+            self._error(404, str(error), error.param, code="model_not_found")
             return
         except BadRequest as error:
-            self._send_json(400, error_body(str(error), error.param))
+            self._error(400, str(error), error.param)
             return
         handle = engine.submit(parsed.request)
         try:
-            self._respond(parsed, handle)
+            if self.anthropic:
+                self._respond_messages(parsed, handle)
+            else:
+                self._respond(parsed, handle)
         except (BrokenPipeError, ConnectionResetError, TimeoutError):
             logger.info("client went away; request cancelled")
             self.close_connection = True
@@ -531,17 +585,57 @@ class APIHandler(BaseHTTPRequestHandler):
             if event.finish_reason is not None:
                 return
 
+    def _generated(self, parsed: ParsedRequest, handle: RequestHandle):
+        """``(text, tokens, logprobs)`` for each of the request's events, the
+        text detokenized and cut at the first stop string; then a
+        :class:`Finish`."""
+        detokenizer = self.server.tokenizer.detokenizer
+        stop = StopText(parsed.stop)
+        produced = 0
+        finish, usage = None, None
+        events = self._events(handle)
+        for event in events:
+            event: Event
+            new = ""
+            for token in event.tokens:
+                detokenizer.add_token(token)
+                new += detokenizer.last_segment
+            if event.finish_reason is not None:
+                detokenizer.finalize()
+                new += detokenizer.last_segment
+                finish, usage = event.finish_reason, event.usage
+            produced += len(event.tokens)
+            piece = stop.push(new, final=event.finish_reason is not None)
+            if stop.stopped:
+                finish = "stop"
+                handle.cancel("stop")
+            yield piece, event.tokens, event.logprobs
+            if stop.stopped:
+                break
+        if stop.stopped:
+            # Cut by a stop string: the engine's statistics (it leaves at its
+            # next step), the tokens up to the stop.
+            for event in events:
+                usage = event.usage
+            prompt = len(parsed.request.prompt)
+            usage = dict(usage or {})
+            usage["prompt_tokens"] = prompt
+            usage["completion_tokens"] = produced
+            usage["total_tokens"] = prompt + produced
+        yield Finish(finish, usage or {}, stop.matched)
+
     def _respond(self, parsed: ParsedRequest, handle: RequestHandle) -> None:
         tokenizer = self.server.tokenizer
-        detokenizer = tokenizer.detokenizer
-        stop = StopText(parsed.stop)
+        output = None
+        if parsed.chat:
+            output = ChatOutput(tokenizer, parsed.request.prompt, parsed.tools)
         rid = ("chatcmpl-" if parsed.chat else "cmpl-") + str(uuid.uuid4())
         created = int(time.time())
         kind = "chat.completion" if parsed.chat else "text_completion"
         if parsed.stream and parsed.chat:
             kind = "chat.completion.chunk"
 
-        def payload(text, finish, tokens=(), logprobs=None, usage=None):
+        def payload(text, finish, tokens=(), logprobs=None, usage=None, extra=None):
             choice = {"index": 0, "finish_reason": finish}
             if logprobs is not None:
                 choice["logprobs"] = {
@@ -555,6 +649,7 @@ class APIHandler(BaseHTTPRequestHandler):
                 choice[key] = {"role": "assistant"}
                 if not parsed.stream or text:
                     choice[key]["content"] = text if (text or parsed.stream) else None
+                choice[key].update(extra or {})
             else:
                 choice["text"] = text
             out = {
@@ -578,45 +673,38 @@ class APIHandler(BaseHTTPRequestHandler):
             self.wfile.write(f"data: {json.dumps(data)}\n\n".encode())
             self.wfile.flush()
 
-        text, tokens, logprobs = "", [], []
-        finish, usage = None, None
-        events = self._events(handle)
-        for event in events:
-            event: Event
-            new = ""
-            for token in event.tokens:
-                detokenizer.add_token(token)
-                new += detokenizer.last_segment
-            if event.finish_reason is not None:
-                detokenizer.finalize()
-                new += detokenizer.last_segment
-            tokens += event.tokens
-            if event.logprobs is not None:
-                logprobs += event.logprobs
-            piece = stop.push(new, final=event.finish_reason is not None)
-            if event.finish_reason is not None:
-                finish, usage = event.finish_reason, event.usage
-            if stop.stopped:
-                finish = "stop"
-                handle.cancel("stop")
-            if parsed.stream and piece:
-                lps = event.logprobs if parsed.request.logprobs else None
-                if lps is not None and len(lps) != len(event.tokens):
+        text, reasoning, calls, tokens, logprobs = "", "", [], [], []
+        finish = Finish(None)
+        for item in self._generated(parsed, handle):
+            if isinstance(item, Finish):
+                finish, piece, new, lps = item, "", [], None
+                deltas = output.finish() if output is not None else []
+            else:
+                piece, new, lps = item
+                tokens += new
+                if lps is not None:
+                    logprobs += lps
+                if output is not None:
+                    deltas = output.push(piece)
+                else:
+                    deltas = [Delta("text", piece)] if piece else []
+            said = "".join(d.text for d in deltas if d.kind == "text")
+            thought = "".join(d.text for d in deltas if d.kind == "reasoning")
+            made = [d.call for d in deltas if d.kind == "tool_call"]
+            if parsed.stream and (said or thought or made):
+                extra = {}
+                if thought:
+                    extra["reasoning"] = thought
+                if made:
+                    extra["tool_calls"] = [
+                        openai_tool_call(c, len(calls) + i) for i, c in enumerate(made)
+                    ]
+                if not parsed.request.logprobs or lps is None or len(lps) != len(new):
                     lps = None
-                send(payload(piece, None, event.tokens, lps))
-            text += piece
-            if stop.stopped:
-                break
-        if stop.stopped:
-            # Cut by a stop string: the engine's statistics (it leaves at its
-            # next step), the tokens up to the stop.
-            for event in events:
-                usage = event.usage
-            usage = dict(usage or {})
-            usage["prompt_tokens"] = len(parsed.request.prompt)
-            usage["completion_tokens"] = len(tokens)
-            usage["total_tokens"] = len(parsed.request.prompt) + len(tokens)
-        if finish == "error":
+                send(payload(said, None, new, lps, extra=extra))
+            text, reasoning, calls = text + said, reasoning + thought, calls + made
+        usage = finish.usage
+        if finish.reason == "error":
             message = "generation failed"
             if parsed.stream:
                 send(error_body(message, kind="server_error"))
@@ -624,10 +712,11 @@ class APIHandler(BaseHTTPRequestHandler):
                 return
             self._send_json(500, error_body(message, kind="server_error"))
             return
-        if finish == "cancelled":
-            finish = "length"
+        reason = "length" if finish.reason == "cancelled" else finish.reason
+        if reason == "stop" and output is not None and output.made_tool_call:
+            reason = "tool_calls"
         if parsed.stream:
-            send(payload("", finish))
+            send(payload("", reason))
             if parsed.include_usage:
                 final = payload("", None, usage=usage)
                 final["choices"] = []
@@ -638,7 +727,53 @@ class APIHandler(BaseHTTPRequestHandler):
         lps = logprobs if parsed.request.logprobs else None
         if lps is not None and len(lps) != len(tokens):
             lps = None
-        self._send_json(200, payload(text, finish, tokens, lps, usage))
+        extra = {}
+        if reasoning:
+            extra["reasoning"] = reasoning
+        if calls:
+            extra["tool_calls"] = [openai_tool_call(c) for c in calls]
+        self._send_json(200, payload(text, reason, tokens, lps, usage, extra))
+
+    def _respond_messages(self, parsed: ParsedRequest, handle: RequestHandle) -> None:
+        """Anthropic's Messages answer: one message, or its event stream."""
+        builder = MessageBuilder(parsed.model, len(parsed.request.prompt))
+        output = ChatOutput(self.server.tokenizer, parsed.request.prompt, parsed.tools)
+
+        def send(events: list[tuple[str, dict]]) -> None:
+            for name, data in events:
+                self.wfile.write(
+                    f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
+                )
+            self.wfile.flush()
+
+        if parsed.stream:
+            self.close_connection = True
+            self._headers(200, "text/event-stream", close=True)
+            send(builder.start())
+        for item in self._generated(parsed, handle):
+            if isinstance(item, Finish):
+                events = [e for d in output.finish() for e in builder.add(d)]
+                if item.reason == "error":
+                    if parsed.stream:
+                        send(
+                            [
+                                *events,
+                                (
+                                    "error",
+                                    anthropic_error(500, "Generation failed."),
+                                ),
+                            ]
+                        )
+                    else:
+                        self._error(500, "Generation failed.")
+                    return
+                events += builder.finish(item)
+            else:
+                events = [e for d in output.push(item[0]) for e in builder.add(d)]
+            if parsed.stream and events:
+                send(events)
+        if not parsed.stream:
+            self._send_json(200, builder.result)
 
 
 def metrics_text(engine: BatchEngine) -> str:

@@ -24,6 +24,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -38,7 +39,7 @@ from ..policy.policies import SchedulerPolicy, telemetry_for
 from ..policy.scheduler import SchedulerSettings, StepRateCurve
 from ..policy.settings import build_settings
 from ..policy.telemetry import Telemetry
-from ..proposers.base import Proposal, Proposer, Round, joined
+from ..proposers.base import Proposal, Proposer, Round, cut_at_stop, joined
 from ..proposers.copying import Drafter, context_bias, pair_proposer
 from ..proposers.dspark import DSparkDrafter
 from ..proposers.suffix import SUFFIX_MAX_DRAFT
@@ -835,6 +836,12 @@ class BatchEngine:
             self.cost.record_draft(drafted - tic, sum(c > 0 for c in caps))
             self.policy.curve = self.cost.curve()
         lengths = self.policy.draft_lengths(proposals, caps)
+        if self.config.adaptive and self.eos:
+            # Never verify drafts past a drafted end of sequence.
+            lengths = [
+                cut_at_stop(p.tokens[0, :n], self.eos) if n > 1 else n
+                for p, n in zip(proposals, lengths, strict=True)
+            ]
         drafts = [
             np.array(p.tokens[0, :n]).tolist() if n else []
             for p, n in zip(proposals, lengths, strict=True)
@@ -1006,7 +1013,10 @@ class BatchEngine:
             key = slot.rng.peek(cap)  # coupled: the tokens' keys
         else:
             slot.key, key = mx.random.split(slot.key)
-        round = Round(history, joined(slot.unseen), cap, params, key, offer)
+        round = Round(
+            history, joined(slot.unseen), cap, params, key, offer,
+            frozenset(self.eos), partial(self.target.attention_kv, slot.cache),
+        )  # fmt: skip
         return self.proposer.propose(slot.draft_cache, round)
 
     def _count_suffix(self, source: str, accepted: int) -> None:

@@ -583,6 +583,11 @@ class TargetAdapter:
     def embed(self, tokens: mx.array) -> mx.array:
         return self.inner.embed_tokens(tokens)
 
+    def input_embedding(self, tokens: mx.array) -> mx.array:
+        """The embedding of ``tokens`` as the model's own forward scales it
+        before its first layer (Gemma's ``embed_scale``)."""
+        return self.inner.embed_tokens(tokens) * getattr(self.inner, "embed_scale", 1.0)
+
     def lm_head(self, hidden: mx.array) -> mx.array:
         """Logits as the model's own call makes them from the final normalised
         state (soft-capped where the family caps them)."""
@@ -648,6 +653,37 @@ class TargetAdapter:
             return
         for c in cache:
             c.trim(n)
+
+    def attention_kv(self, cache: list) -> dict[str, tuple[mx.array, mx.array]]:
+        """The keys and values a Gemma-4 assistant drafter attends to, per
+        layer kind (``"full_attention"``, ``"sliding_attention"``): those of
+        the last layer of that kind that keeps a cache (the layer the target's
+        KV-shared layers read), over the positions a query at the next
+        position (the anchor, not yet run) would see, without the anchor's
+        own: every cached position for full attention, the last
+        ``window - 1`` for a sliding window. Keys ``[1, H, L, D]`` in
+        temporal order, RoPE applied, as the layer cached them."""
+        kinds = [getattr(layer, "layer_type", None) for layer in self.layers]
+        if None in kinds:
+            raise DSparkError(
+                f"A {self.model_type} target does not share its attention "
+                "keys and values by layer kind; the Gemma-4 assistant drafter "
+                "needs a Gemma-4 target."
+            )
+        source: dict[str, int] = {}
+        for i, c in enumerate(cache):
+            if c is not None:
+                source[kinds[i]] = i
+        out = {}
+        for kind, i in source.items():
+            c = cache[i]
+            if isinstance(c, WindowKVCache):
+                first = max(c.offset - c.window + 1, c.start) - c.start
+                used = c.offset - c.start
+                out[kind] = c.keys[..., first:used, :], c.values[..., first:used, :]
+            else:
+                out[kind] = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
+        return out
 
     def commit_path(self, cache: list, start: int, path: Sequence[int]) -> None:
         """Keep only the nodes ``path`` of the last tree forward, contiguously.

@@ -1,4 +1,4 @@
-"""Context copying: the lookup, the drafter's copy bias, and losslessness with it."""
+"""Context copying: the copies, the drafter's copy bias, and losslessness with it."""
 
 import contextlib
 import dataclasses
@@ -29,13 +29,14 @@ from mlx_dspark.policy.policies import MonitoredPolicy
 from mlx_dspark.proposers import copying
 from mlx_dspark.proposers.base import Proposal
 from mlx_dspark.proposers.copying import (
+    COPY_CONFIG,
     CopyBias,
     copied_proposal,
     follow_copy,
     pair_proposer,
 )
 from mlx_dspark.proposers.dspark import DrafterProposer
-from mlx_dspark.proposers.lookup import continuation
+from mlx_dspark.proposers.suffix_store import context_copy
 from mlx_dspark.sampling.processing import SamplingParams
 from mlx_dspark.targets.adapter import TargetAdapter
 
@@ -48,7 +49,9 @@ def sample_first_three(*args, **kwargs):
 
 
 def brute_continuation(history, length, min_ngram=2, max_ngram=3):
-    """The lookup's definition, spelled out."""
+    """A context copy's definition, spelled out: what followed the latest
+    earlier occurrence of the history's longest suffix of ``min_ngram`` to
+    ``max_ngram`` tokens, repeating with its period past the history's end."""
     for n in range(min(max_ngram, len(history) - 1), min_ngram - 1, -1):
         suffix = history[-n:]
         for end in range(len(history) - 2, n - 2, -1):
@@ -60,31 +63,31 @@ def brute_continuation(history, length, min_ngram=2, max_ngram=3):
     return [-1] * length
 
 
-def test_continuation_prefers_the_longest_then_the_latest_match():
-    # [1, 6, 7] occurred once (then 8, 2, ...); [6, 7] last occurred before 9.
-    assert continuation([1, 6, 7, 8, 2, 6, 7, 9, 1, 6, 7], 4).tolist() == [8, 2, 6, 7]
-    assert continuation([1, 6, 7, 8, 2, 6, 7, 9, 3, 6, 7], 4).tolist() == [9, 3, 6, 7]
-    # Past the history's end the copy repeats itself with its period.
-    assert continuation([1, 6, 7, 8, 2, 6, 7, 9, 3, 6, 7], 6).tolist() == [
-        9, 3, 6, 7, 9, 3,
-    ]  # fmt: skip
-    assert continuation([5, 5, 5], 3).tolist() == [5, 5, 5]
-    # One token seen before is not enough, unless asked for.
-    assert continuation([1, 2, 3, 2], 2).tolist() == [-1, -1]
-    assert continuation([1, 2, 3, 2], 2, min_ngram=1).tolist() == [3, 2]
-    assert continuation([1, 2, 3], 3).tolist() == [-1, -1, -1]
-    assert continuation([4], 2).tolist() == [-1, -1]
-    assert continuation([4, 4], 0).tolist() == []
-
-
-def test_continuation_matches_its_definition_on_random_histories():
+def test_context_copies_match_their_definition_on_random_histories():
     rng = np.random.default_rng(0)
     for trial in range(400):
         history = rng.integers(0, 2 + trial % 6, size=rng.integers(1, 40)).tolist()
-        length, least = int(rng.integers(0, 8)), 1 + trial % 3
-        expected = brute_continuation(history, length, least)
-        got = continuation(history, length, min_ngram=least)
-        assert got.tolist() == expected, (history, least)
+        length = int(rng.integers(0, 12))
+        expected = brute_continuation(history, length)
+        assert context_copy(history, length, COPY_CONFIG).tolist() == expected
+
+
+def test_copies_are_the_suffix_store_s_chains_of_two_or_more_matched_tokens():
+    # [1, 6, 7] occurred once, then 8, 2, 6, 7, 9, 1, 6, 7 up to the end;
+    # past the end the copy repeats with its period.
+    context = [1, 6, 7, 8, 2, 6, 7, 9, 1, 6, 7]
+    assert context_copy(context, 4, COPY_CONFIG).tolist() == [8, 2, 6, 7]
+    assert context_copy(context, 10, COPY_CONFIG).tolist() == [
+        8, 2, 6, 7, 9, 1, 6, 7, 8, 2,
+    ]  # fmt: skip
+    # [6, 7] last occurred before 9 (the latest occurrence, not the commonest).
+    context = [1, 6, 7, 8, 2, 6, 7, 9, 3, 6, 7]
+    assert context_copy(context, 4, COPY_CONFIG).tolist() == [9, 3, 6, 7]
+    assert context_copy([5, 5, 5], 3, COPY_CONFIG).tolist() == [5, 5, 5]
+    # One token seen before is not enough.
+    assert context_copy([1, 2, 3, 2], 2, COPY_CONFIG).tolist() == [-1, -1]
+    assert context_copy([4], 2, COPY_CONFIG).tolist() == [-1, -1]
+    assert context_copy([4, 4], 0, COPY_CONFIG).tolist() == []
 
 
 def toward(copy, bias):
@@ -431,9 +434,15 @@ def test_copies_as_is_are_lossless_and_skip_the_drafter(pair_factory, copy_draft
             tokens = [t for t, _ in steps]
             assert tokens == target_greedy(model, prompt, max_tokens=48)
             drafted = [r for r in stats.rounds if r.drafted]
-            # The context's copies cover every round they are offered: only
-            # rounds without one run the drafter.
-            assert counting.passes == sum(not r.copy_offered for r in drafted)
+            # Only rounds whose copy does not cover all their drafts run the
+            # drafter.
+            done, uncovered = 1, 0
+            for r in stats.rounds:
+                history = [*prompt, *tokens[:done]]
+                copy = context_copy(history, r.verified, COPY_CONFIG)
+                uncovered += r.drafted and not (r.copy_offered and (copy >= 0).all())
+                done += r.accepted + 1
+            assert counting.passes == uncovered
             kept += [r.accepted / r.verified for r in drafted if r.copy_offered]
     assert min(kept) < 1 and max(kept) == 1, kept
 
