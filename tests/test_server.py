@@ -595,7 +595,8 @@ def test_prompt_cache_keeps_the_answer_for_the_next_turn(pair):
         _, features = engine.target.hidden(mx.array([entry.tokens]), fresh)
         assert entry.features.shape == features.shape
         assert mx.allclose(entry.features, features, atol=1e-4)
-        for (keys, values), theirs in zip(entry.kv, fresh, strict=True):
+        for layer, theirs in zip(entry.state.layers, fresh, strict=True):
+            keys, values = layer.keys, layer.values
             assert keys.shape[2] == theirs.offset == len(entry.tokens)
             assert mx.allclose(keys, theirs.keys[..., : theirs.offset, :], atol=1e-4)
             assert mx.allclose(

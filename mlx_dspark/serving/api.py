@@ -32,6 +32,7 @@ from ..sampling.processing import SamplingParams
 from .anthropic import MessageBuilder, anthropic_error, chat_body, models_list
 from .engine import BatchEngine, Event, GenerationRequest, RequestHandle
 from .errors import BadRequest, ModelNotFound
+from .segments import segment_ends
 from .tool_calls import ChatOutput, Delta, Finish, openai_tool_call, template_tool_calls
 
 logger = logging.getLogger("mlx_dspark.server")
@@ -152,6 +153,21 @@ def _plain_chat(messages: list[dict]) -> str:
 
 
 def chat_prompt(tokenizer, body: dict, template_args: dict) -> list[int]:
+    return _rendered(tokenizer, body, template_args)[0]
+
+
+def chat_prompt_segments(
+    tokenizer, body: dict, template_args: dict
+) -> tuple[list[int], tuple[int, ...]]:
+    """The prompt's token ids and where its segments end (:mod:`.segments`)."""
+    ids, render, messages = _rendered(tokenizer, body, template_args)
+    return ids, segment_ends(render, messages, ids)
+
+
+def _rendered(tokenizer, body: dict, template_args: dict):
+    """The prompt's token ids, the function that rendered them (for a list
+    of messages, without the generation prompt by default) and the messages
+    it rendered."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list.", "messages")
@@ -181,16 +197,30 @@ def chat_prompt(tokenizer, body: dict, template_args: dict) -> list[int]:
             kwargs.update(extra)
         if tools and not getattr(tokenizer, "has_tool_calling", False):
             logger.warning("tools given, but this model's tool-call format is unknown")
-        try:
+
+        def render(messages: list[dict], generation: bool = False) -> list[int]:
             ids = tokenizer.apply_chat_template(
-                clean, tools=tools, add_generation_prompt=True, tokenize=True, **kwargs
+                messages,
+                tools=tools,
+                add_generation_prompt=generation,
+                tokenize=True,
+                **kwargs,
             )
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            return [int(t) for t in ids]
+
+        try:
+            ids = render(clean, True)
         except Exception as error:
             raise BadRequest(f"The chat template failed: {error}", "messages") from None
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
-    return list(tokenizer.encode(_plain_chat(clean)))
+    else:
+
+        def render(messages: list[dict], generation: bool = False) -> list[int]:
+            return list(tokenizer.encode(_plain_chat(messages)))
+
+        ids = render(clean)
+    return ids, render, clean
 
 
 def text_prompt(tokenizer, body: dict) -> list[int]:
@@ -274,11 +304,13 @@ def parse_request(
         raise BadRequest("stop must be a string or a list of strings.", "stop")
     stop = [s for s in stop if s]
     model = check_model(body, settings)
-    prompt = (
-        chat_prompt(tokenizer, body, settings.chat_template_args)
-        if chat
-        else text_prompt(tokenizer, body)
-    )
+    segments = ()
+    if chat:
+        prompt, segments = chat_prompt_segments(
+            tokenizer, body, settings.chat_template_args
+        )
+    else:
+        prompt = text_prompt(tokenizer, body)
     if not prompt:
         raise BadRequest("The prompt is empty.", "messages" if chat else "prompt")
     if any(not 0 <= t < vocab_size for t in prompt):
@@ -303,7 +335,9 @@ def parse_request(
         )
     except DSparkError as error:
         raise BadRequest(str(error)) from None
-    request = GenerationRequest(prompt, params, max_tokens, seed, logprobs)
+    request = GenerationRequest(
+        prompt, params, max_tokens, seed, logprobs, segments=segments
+    )
     return ParsedRequest(
         request,
         stream,

@@ -46,20 +46,26 @@ from ..proposers.suffix import SUFFIX_MAX_DRAFT
 from ..sampling.coupled import TokenKeys, resolve_sampling
 from ..sampling.processing import SamplingParams
 from ..targets.adapter import BatchRow, RequestBatch, TargetAdapter
-from .prompt_cache import CachedPrompt, PromptCache
+from .prompt_cache import CachedPrompt, PromptCache, common_prefix
 
 logger = logging.getLogger("mlx_dspark.server")
 
 
 @dataclass
 class GenerationRequest:
-    """One request as the engine sees it: token ids and how to decode them."""
+    """One request as the engine sees it: token ids and how to decode them.
+
+    ``segments``: the token counts where the prompt's segments end (the end
+    of its system prompt, of its user turns: :mod:`.segments`), where the
+    engine keeps a snapshot of the request's cache for later requests.
+    """
 
     prompt: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     max_tokens: int = 256
     seed: int | None = None
     logprobs: bool = False
+    segments: tuple[int, ...] = ()
 
 
 @dataclass
@@ -114,6 +120,9 @@ class _Slot:
     key: mx.array
     prefilled: int = 0  # prompt tokens in the cache so far
     cached: int = 0  # of them, reused from the prompt cache
+    # Prompt lengths where its prefill stops to keep a snapshot of the cache.
+    marks: set[int] = field(default_factory=set)
+    waiting: bool = False  # for another prompt's prefill of a shared prefix
     produced: int = 0
     rounds: list[RoundStats] = field(default_factory=list)
     batch_sizes: int = 0  # sum over rounds of the batch each round ran in
@@ -372,6 +381,9 @@ class EngineConfig:
     memory pressure drops to plain decoding. ``adaptive``: skip drafting
     in steps where it does not pay (:class:`DraftGate`). ``prompt_cache_size``
     / ``prompt_cache_bytes``: the :class:`PromptCache` (0: none).
+    ``share_min_tokens``: a prompt that shares at least this many more
+    tokens with one being prefilled than the cache gives waits for that
+    prefill's snapshot of them rather than computing them again.
     ``sampling``: the sampled requests' rule, ``"coupled"`` or
     ``"residual"`` (:mod:`~mlx_dspark.sampling.coupled`); None: coupled for a request
     with a seed (its tokens are then ``mlx_lm.generate``'s with that seed),
@@ -391,6 +403,7 @@ class EngineConfig:
     prior: StepRateCurve | None = None
     prompt_cache_size: int = 10
     prompt_cache_bytes: int | None = None
+    share_min_tokens: int = 32
     sampling: str | None = None
     save_costs_every: float = 30.0
 
@@ -510,7 +523,7 @@ class BatchEngine:
         if found is not None:
             self.policy.telemetry.calibration = str(found[1])
         self.prompt_cache = None
-        if self.config.prompt_cache_size > 0 and self.target.plain_kv:
+        if self.config.prompt_cache_size > 0:
             self.prompt_cache = PromptCache(
                 self.config.prompt_cache_size, self.config.prompt_cache_bytes
             )
@@ -637,34 +650,66 @@ class BatchEngine:
         self._prefilling.append(slot)
 
     def _reuse_prompt(self, slot: _Slot) -> None:
-        """Start from the cached prompt sharing the most leading tokens."""
+        """Start from the cached prompt giving the most leading tokens.
+
+        A target whose cached prompts cannot be cut back (sliding-window or
+        recurrent layers) keeps snapshots where this prompt's segments end
+        and where it leaves the cached prompt it shares most with (the next
+        prompt that shares as much reuses it)."""
         if self.prompt_cache is None:
             return
-        hit = self.prompt_cache.fetch(slot.request.prompt)
-        if hit is None:
+        prompt = slot.request.prompt
+        reuse, entry, shared = self.prompt_cache.lookup(prompt)
+        if not self.target.plain_kv:
+            marks = list(slot.request.segments)
+            if shared - reuse >= self.config.share_min_tokens:
+                marks.append(shared)
+            slot.marks.update(n for n in marks if reuse < n < len(prompt))
+        if entry is None or reuse <= slot.prefilled:
             return
-        reuse, entry = hit
-        slot.cache = self.target.restore(entry.kv, reuse)
-        if entry.features is not None:
-            slot.unseen.append(entry.features[:, :reuse])
+        self.prompt_cache.fetch(prompt)  # the most recently used now
+        slot.cache = self.target.restore(entry.state, reuse)
+        slot.unseen = [] if entry.features is None else [entry.features[:, :reuse]]
+        self.stats.prompt_tokens_cached += reuse - slot.cached
         slot.prefilled = slot.cached = reuse
-        self.stats.prompt_tokens_cached += reuse
+
+    def _leader(self, slot: _Slot, ahead: list[_Slot]) -> _Slot | None:
+        """A prompt being prefilled ahead of ``slot`` that shares at least
+        ``share_min_tokens`` more of its tokens than the cache gave it, and
+        has not prefilled them yet: ``slot`` waits for its snapshot there."""
+        if self.prompt_cache is None or slot.prefilled != slot.cached:
+            return None
+        prompt = slot.request.prompt
+        for other in ahead:
+            shared = common_prefix(tuple(other.request.prompt), prompt)
+            shared = min(shared, len(prompt) - 1)
+            if (
+                shared - slot.prefilled >= self.config.share_min_tokens
+                and other.prefilled < shared
+            ):
+                other.marks.add(shared)
+                return other
+        return None
+
+    def _keep(self, cache, tokens: list[int], features: list) -> mx.array | None:
+        """Put a snapshot of ``cache`` (holding ``tokens``) and its features
+        into the prompt cache; the features, joined."""
+        state = self.target.snapshot(cache)
+        # No feature taps (no drafter): the features are None.
+        features = [f for f in features if f is not None]
+        joined_features = mx.concatenate(features, axis=1) if features else None
+        if joined_features is not None:
+            mx.eval(joined_features)
+        self.prompt_cache.insert(CachedPrompt(tuple(tokens), state, joined_features))
+        return joined_features
 
     def _remember(self, slot: _Slot) -> None:
         """Keep the request's target cache so far, with its tokens and
         features: after its prefill (before it joins the batch), and when it
         finishes, so that a chat's next turn reuses the answer as well."""
-        kv = self.target.snapshot(slot.cache)
-        if kv is None:
-            return
-        # No feature taps (no drafter): the features are None.
-        features = [f for f in slot.context_features if f is not None]
-        features = mx.concatenate(features, axis=1) if features else None
+        features = self._keep(slot.cache, slot.context, slot.context_features)
         if features is not None:
-            mx.eval(features)
             slot.context_features = [features]
-        entry = CachedPrompt(tuple(slot.context), kv, features)
-        self.prompt_cache.insert(entry)
 
     def _prefill(self) -> None:
         """About one prefill chunk of prompt tokens between decode steps.
@@ -672,14 +717,27 @@ class BatchEngine:
         A long prompt delays the running requests a chunk at a time, not by
         its whole prefill. Chunks of similar length share a target forward
         (:func:`prefill_groups`): prompts that join together prefill
-        together, as ``mlx_lm.server`` batches them.
+        together, as ``mlx_lm.server`` batches them. A prompt that shares a
+        long prefix with one ahead of it waits for that one's snapshot of it
+        (:meth:`_leader`); a chunk ends where a snapshot is to be kept.
         """
+        ahead = []
+        for slot in self._prefilling:
+            if slot.waiting:  # the snapshot it waited for may be there now
+                self._reuse_prompt(slot)
+            slot.waiting = self._leader(slot, ahead) is not None
+            if not slot.waiting:
+                ahead.append(slot)
         step = self.config.prefill_step_size
         budget, chunks = step, []
-        for slot in self._prefilling:
+        for slot in ahead:
             if budget <= 0:
                 break
-            n = min(step, len(slot.request.prompt) - slot.prefilled)
+            end = min(
+                (m for m in slot.marks if m > slot.prefilled),
+                default=len(slot.request.prompt),
+            )
+            n = min(step, end - slot.prefilled)
             chunks.append((slot, n))
             budget -= n
         # Sliding-window and recurrent layers prefill one request at a time.
@@ -714,8 +772,13 @@ class BatchEngine:
         for (slot, n), (logits, features) in zip(group, outputs, strict=True):
             slot.unseen.append(features)
             slot.prefilled += n
-            if slot.prefilled == len(slot.request.prompt):
+            prompt = slot.request.prompt
+            if slot.prefilled == len(prompt):
                 self._start(slot, logits[0, -1])
+            elif slot.prefilled in slot.marks and self.prompt_cache is not None:
+                kept = self._keep(slot.cache, prompt[: slot.prefilled], slot.unseen)
+                if kept is not None:
+                    slot.unseen = [kept]
 
     def _start(self, slot: _Slot, logits: mx.array) -> None:
         """A prefilled request's first token; it joins the batch."""

@@ -283,6 +283,96 @@ def _rollbackable(cache):
     )
 
 
+class _KeptKeys:
+    """A full-attention layer's keys and values of every cached token: cut
+    back to any shorter prefix."""
+
+    def __init__(self, keys: mx.array, values: mx.array):
+        self.keys, self.values = keys, values
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        return [self.keys, self.values]
+
+    def shortest(self, length: int) -> int:
+        return 0
+
+    def restore_into(self, cache, length: int, n: int) -> None:
+        if n:
+            cache.update_and_fetch(self.keys[..., :n, :], self.values[..., :n, :])
+
+
+class _WindowKeys(_KeptKeys):
+    """A sliding-window layer's kept keys and values, of the tokens from
+    ``start`` on: a prefix of ``n`` tokens can be restored while the window
+    of its last token is among them."""
+
+    def __init__(self, keys: mx.array, values: mx.array, start: int, window: int):
+        super().__init__(keys, values)
+        self.start, self.window = start, window
+
+    def shortest(self, length: int) -> int:
+        return 0 if self.start == 0 else self.start + self.window - 1
+
+    def restore_into(self, cache, length: int, n: int) -> None:
+        if n:
+            used = n - self.start
+            cache.keys = self.keys[..., :used, :]
+            cache.values = self.values[..., :used, :]
+            cache.start, cache.offset = self.start, n
+
+
+class _RecurrentState:
+    """A recurrent layer's state after the snapshot's last token: restored
+    only there (a state cannot be un-appended)."""
+
+    def __init__(self, arrays: list):
+        self.state = list(arrays)
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        return [a for a in self.state if a is not None]
+
+    def shortest(self, length: int) -> int:
+        return length
+
+    def restore_into(self, cache, length: int, n: int) -> None:
+        cache.cache = list(self.state)
+
+
+@dataclass
+class CacheState:
+    """A request's target cache as :meth:`TargetAdapter.snapshot` keeps it:
+    ``length`` tokens, restorable to any prefix of ``shortest`` tokens or
+    more (0 when every layer keeps all its keys, ``length`` when a layer
+    keeps a recurrent state)."""
+
+    layers: list
+    length: int
+    shortest: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for layer in self.layers for a in layer.arrays)
+
+
+def _kept(cache):
+    """What :meth:`TargetAdapter.snapshot` keeps of one layer's cache."""
+    if isinstance(cache, WindowKVCache):
+        if cache.keys is None:
+            keys = values = mx.zeros((1, 1, 0, 1))
+        else:
+            keys, values = (mx.contiguous(a) for a in cache.state)
+        return _WindowKeys(keys, values, cache.start, cache.window)
+    if isinstance(cache, RecurrentCache):
+        return _RecurrentState(cache.cache)
+    keys = cache.keys[..., : cache.offset, :] if cache.keys is not None else None
+    if keys is None:
+        return _KeptKeys(mx.zeros((1, 1, 0, 1)), mx.zeros((1, 1, 0, 1)))
+    values = cache.values[..., : cache.offset, :]
+    return _KeptKeys(mx.contiguous(keys), mx.contiguous(values))
+
+
 class _Probe:
     """A layer as the inner model sees it, recording what the adapter needs.
 
@@ -442,7 +532,8 @@ class TargetAdapter:
     @property
     def plain_kv(self) -> bool:
         """Whether every layer keeps a full-attention ``KVCache``: what batched
-        verification across requests, prompt-cache reuse and trees need."""
+        verification across requests and trees need, and what lets a cached
+        prompt be cut back to any shorter prefix."""
         return all(issubclass(kind, KVCache) for kind in self.cache_kinds)
 
     @property
@@ -514,41 +605,43 @@ class TargetAdapter:
         they read an earlier layer's)."""
         return [_rollbackable(c) for c in make_prompt_cache(self.model)]
 
-    def snapshot(
-        self, cache: list | BatchRow
-    ) -> list[tuple[mx.array, mx.array]] | None:
-        """A copy of every layer's cached keys and values, evaluated, to be
-        reused by later requests (:meth:`restore`); None unless every layer
-        keeps all its keys (sliding windows keep only their last tokens and
-        recurrent layers a state)."""
-        if not self.plain_kv:
-            return None
+    def snapshot(self, cache: list | BatchRow) -> CacheState:
+        """An evaluated copy of a request's target cache, to be reused by later
+        requests (:meth:`restore`): every key of a full-attention layer, the
+        kept keys of a sliding-window layer (its window back from each of the
+        last update's tokens) and a recurrent layer's state."""
         if isinstance(cache, BatchRow):
             batch = cache.batch
             batch.settle()
             r = batch.rows.index(cache)
             start = int(batch.layers[0].left_padding[r].item())
-            kv = [
-                (
-                    c.keys[r : r + 1, :, start : c._idx],
-                    c.values[r : r + 1, :, start : c._idx],
+            layers = [
+                _KeptKeys(
+                    mx.contiguous(c.keys[r : r + 1, :, start : c._idx]),
+                    mx.contiguous(c.values[r : r + 1, :, start : c._idx]),
                 )
                 for c in batch.layers
             ]
+            length = batch.layers[0]._idx - start
         else:
-            kv = [
-                (c.keys[..., : c.offset, :], c.values[..., : c.offset, :])
-                for c in cache
-            ]
-        kv = [(mx.contiguous(k), mx.contiguous(v)) for k, v in kv]
-        mx.eval(kv)
-        return kv
+            layers = [_kept(c) for c in cache]
+            # Recurrent layers count no tokens; hybrids have attention layers.
+            length = next(c.offset for c in cache if hasattr(c, "offset"))
+        mx.eval([a for layer in layers for a in layer.arrays])
+        shortest = max((layer.shortest(length) for layer in layers), default=0)
+        return CacheState(layers, length, shortest)
 
-    def restore(self, kv: list[tuple[mx.array, mx.array]], n: int) -> list:
-        """A new cache holding the first ``n`` tokens of a :meth:`snapshot`."""
+    def restore(self, state: CacheState, n: int) -> list:
+        """A new cache holding the first ``n`` tokens of a :meth:`snapshot`
+        (``state.shortest <= n <= state.length``)."""
+        if not state.shortest <= n <= state.length:
+            raise ValueError(
+                f"this snapshot restores {state.shortest}..{state.length} tokens, "
+                f"not {n}"
+            )
         cache = self.make_cache()
-        for c, (keys, values) in zip(cache, kv, strict=True):
-            c.update_and_fetch(keys[..., :n, :], values[..., :n, :])
+        for c, layer in zip(cache, state.layers, strict=True):
+            layer.restore_into(c, state.length, n)
         return cache
 
     def rollback(self, cache: list | BatchRow, n: int) -> None:
