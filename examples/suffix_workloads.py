@@ -175,10 +175,11 @@ def local(args, model, tokenizer, drafter, name, texts) -> None:
                         model, tokenizer, drafter, prompt, args.max_tokens
                     )
                 rates[who].append(rate)
-            expected = got["mlx-lm"]
-            if expected and expected[-1] in eos:
-                expected = expected[:-1]
-            same &= got["ours"] == expected
+            mine, expected = (
+                t[:-1] if t and t[-1] in eos else t
+                for t in (got["ours"], got["mlx-lm"])
+            )
+            same &= mine == expected
     base, mine = statistics.median(rates["mlx-lm"]), statistics.median(rates["ours"])
     print(
         f"{name:8s} mlx-lm {base:6.1f} tok/s  ours {mine:6.1f} tok/s  "
