@@ -72,7 +72,7 @@ def test_unknown_command_is_refused():
             "--steps",
         ),
         (["benchmark", "--trials", "x"], "--trials"),
-        (["convert", "--gguf", "a", "--draft-model", "b"], "not both"),
+        (["convert", "--gguf", "a", "--draft-model", "b"], "Give one of"),
         (["convert", "--draft-model", "b", "--to", "onnx"], "--to must be one of"),
         (["generate", "--max-tokens", "x"], "--max-tokens"),
     ],
