@@ -158,6 +158,7 @@ BENCH = [
     "--fixed-n 0",
     "python examples/eval_default_pair.py --prompts 8 --max-tokens 96 --no-acceptance",
     "python examples/coupled_vs_residual.py --max-tokens 64 --seeds 2",
+    "python examples/suffix_workloads.py --max-tokens 128 --repeats 1",
     "python examples/train_gemma3_drafter.py --work DIR --install",
     "python examples/gemma3_gguf_check.py --work DIR",
 ]
