@@ -3,7 +3,6 @@ one-sentence errors, and command-line code only in ``mlx_dspark/cli/``."""
 
 import ast
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -146,12 +145,12 @@ def test_family_generate_is_the_dotted_generate(pair, extra):
     assert two.returncode == 0, two.stderr
 
     def text(out):
-        # The text must be equal; the summary's numbers may differ (timings, and
-        # the rounds a timing-driven policy chose).
+        # The text must be equal; the summary after it may differ (timings, the
+        # kinds of rounds a timing-driven policy chose, and only the run that
+        # measured the cost profile names its file).
         lines = out.splitlines()
         ends = [i for i, line in enumerate(lines) if line == "=" * 10]
-        cut = ends[1] + 1 if len(ends) > 1 else len(lines)
-        return lines[:cut] + [re.sub(r"\d+(\.\d+)?", "#", x) for x in lines[cut:]]
+        return lines[: ends[1] + 1] if len(ends) > 1 else lines
 
     assert text(one.stdout) == text(two.stdout)
     assert "=" * 10 in one.stdout or extra[-1:] == ["false"]

@@ -197,45 +197,29 @@ def convert_drafter_cli(args: SimpleNamespace) -> None:
 def convert_eagle3_cli(args: SimpleNamespace) -> None:
     from ..convert.eagle3 import convert_eagle3
 
-    if args.target or args.to != "mlx":
-        flag = "--target" if args.target else "--to"
-        raise DSparkError(f"{flag} does not apply to EAGLE-3 drafters yet.")
-    if args.dry_run:
-        raise DSparkError("--dry-run does not apply to EAGLE-3 drafters yet.")
-    if not args.out:
-        raise DSparkError("--out is required.")
-    if not args.quantize and (args.q_bits or args.q_group_size):
-        raise DSparkError("--q-bits and --q-group-size need -q.")
-    result = convert_eagle3(
-        args.draft_model,
-        args.out,
-        quantize=args.quantize,
-        bits=args.q_bits,
-        group_size=args.q_group_size,
-        dtype=args.dtype,
-        force=args.force,
-    )
-    kind = f"{result.bits}-bit" if result.bits else "float"
-    written = sum(f.stat().st_size for f in Path(args.out).glob("*.safetensors"))
-    print(
-        f"wrote {args.out} ({kind} MLX EAGLE-3 drafter, {result.config.flavour}): "
-        f"{written / 2**20:.1f} MiB of weights"
-    )
+    result = _convert_to_mlx(args, convert_eagle3, "EAGLE-3 drafters")
+    _report(args.out, f"MLX EAGLE-3 drafter, {result.config.flavour}", result.bits)
 
 
 def convert_assistant_cli(args: SimpleNamespace) -> None:
     from ..convert.gemma4_assistant import convert_assistant
 
-    if args.target or args.to != "mlx":
-        flag = "--target" if args.target else "--to"
-        raise DSparkError(f"{flag} does not apply to Gemma-4 assistant drafters.")
-    if args.dry_run:
-        raise DSparkError("--dry-run does not apply to Gemma-4 assistant drafters.")
+    result = _convert_to_mlx(args, convert_assistant, "Gemma-4 assistant drafters")
+    _report(args.out, "MLX Gemma-4 assistant drafter", result.bits)
+
+
+def _convert_to_mlx(args: SimpleNamespace, convert, kind: str):
+    """A drafter kind that converts to MLX only, float or quantized."""
+    if args.target or args.to != "mlx" or args.dry_run:
+        flag = (
+            "--target" if args.target else "--to" if args.to != "mlx" else "--dry-run"
+        )
+        raise DSparkError(f"{flag} does not apply to {kind}.")
     if not args.out:
         raise DSparkError("--out is required.")
     if not args.quantize and (args.q_bits or args.q_group_size):
         raise DSparkError("--q-bits and --q-group-size need -q.")
-    result = convert_assistant(
+    return convert(
         args.draft_model,
         args.out,
         quantize=args.quantize,
@@ -244,12 +228,12 @@ def convert_assistant_cli(args: SimpleNamespace) -> None:
         dtype=args.dtype,
         force=args.force,
     )
-    kind = f"{result.bits}-bit" if result.bits else "float"
-    written = sum(f.stat().st_size for f in Path(args.out).glob("*.safetensors"))
-    print(
-        f"wrote {args.out} ({kind} MLX Gemma-4 assistant drafter): "
-        f"{written / 2**20:.1f} MiB of weights"
-    )
+
+
+def _report(out: str, what: str, bits: int | None) -> None:
+    kind = f"{bits}-bit" if bits else "float"
+    written = sum(f.stat().st_size for f in Path(out).glob("*.safetensors"))
+    print(f"wrote {out} ({kind} {what}): {written / 2**20:.1f} MiB of weights")
 
 
 def convert_mtp_cli(args: SimpleNamespace) -> None:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from .prompt_cache import common_prefix
+
 # Rendering costs a tokenization per turn: only the last few user turns.
 MAX_USER_TURNS = 4
 
@@ -46,16 +48,7 @@ def segment_ends(
             ids = list(render(head))
         except Exception:  # a template that refuses this conversation's head
             continue
-        n = _shared(ids, prompt)
+        n = common_prefix(ids, prompt)
         if 0 < n < len(prompt):
             ends.add(n)
     return tuple(sorted(ends))
-
-
-def _shared(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
