@@ -14,6 +14,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import mlx.core as mx
+
 from mlx_dspark.errors import DSparkError
 
 
@@ -158,3 +160,21 @@ def sha256_file(path: Path, chunk: int = 16 * 2**20) -> str:
         while block := f.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+def dequantize_in_place(weights: dict, config) -> None:
+    """Float weights of an already quantized MLX drafter (``config.quantization``
+    set), in place; the config then says it is float."""
+    q = config.quantization
+    if not q:
+        return
+    for name in [k for k in weights if k.endswith(".scales")]:
+        base = name[: -len(".scales")]
+        weights[f"{base}.weight"] = mx.dequantize(
+            weights[f"{base}.weight"],
+            weights.pop(name),
+            weights.pop(f"{base}.biases", None),
+            group_size=q["group_size"],
+            bits=q["bits"],
+        )
+    config.quantization = None

@@ -30,7 +30,7 @@ from mlx_dspark.checkpoints.weights import read_config, read_weights, resolve_pa
 from mlx_dspark.errors import DSparkError
 from mlx_dspark.proposers.eagle3_config import Eagle3Config
 
-from .common import atomic_output_dir
+from .common import atomic_output_dir, dequantize_in_place
 
 QUANT_BITS = (2, 3, 4, 6, 8)
 GROUP_SIZES = (32, 64, 128)
@@ -47,23 +47,6 @@ class Eagle3Conversion:
     group_size: int | None
     quantized: list[str]
     tensors: int
-
-
-def _dequantized(weights: dict[str, mx.array], config: Eagle3Config) -> None:
-    """Float weights of an already quantized MLX drafter, in place."""
-    q = config.quantization
-    if not q:
-        return
-    for name in [k for k in weights if k.endswith(".scales")]:
-        base = name[: -len(".scales")]
-        weights[f"{base}.weight"] = mx.dequantize(
-            weights[f"{base}.weight"],
-            weights.pop(name),
-            weights.pop(f"{base}.biases", None),
-            group_size=q["group_size"],
-            bits=q["bits"],
-        )
-    config.quantization = None
 
 
 def convert_eagle3(
@@ -98,7 +81,7 @@ def convert_eagle3(
     weights = read_weights(path)
     if is_speculators_eagle3(raw):
         weights = speculators_weights(weights, config)
-    _dequantized(weights, config)
+    dequantize_in_place(weights, config)
     quantized = []
     for name, value in list(weights.items()):
         if not mx.issubdtype(value.dtype, mx.floating):

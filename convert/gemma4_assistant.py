@@ -24,7 +24,7 @@ from mlx_dspark.checkpoints.weights import read_config, read_weights, resolve_pa
 from mlx_dspark.errors import DSparkError
 from mlx_dspark.proposers.gemma4_assistant_config import AssistantConfig, is_assistant
 
-from .common import atomic_output_dir
+from .common import atomic_output_dir, dequantize_in_place
 
 QUANT_BITS = (2, 3, 4, 6, 8)
 GROUP_SIZES = (32, 64, 128)
@@ -42,23 +42,6 @@ class AssistantConversion:
     group_size: int | None
     quantized: list[str]
     tensors: int
-
-
-def _dequantized(weights: dict[str, mx.array], config: AssistantConfig) -> None:
-    """Float weights of an already quantized MLX assistant, in place."""
-    q = config.quantization
-    if not q:
-        return
-    for name in [k for k in weights if k.endswith(".scales")]:
-        base = name[: -len(".scales")]
-        weights[f"{base}.weight"] = mx.dequantize(
-            weights[f"{base}.weight"],
-            weights.pop(name),
-            weights.pop(f"{base}.biases", None),
-            group_size=q["group_size"],
-            bits=q["bits"],
-        )
-    config.quantization = None
 
 
 def convert_assistant(
@@ -89,7 +72,7 @@ def convert_assistant(
         raise DSparkError(f"{path} is not a Gemma-4 assistant drafter.")
     config = AssistantConfig.from_dict(raw)
     weights = assistant_weights(read_weights(path), config)
-    _dequantized(weights, config)
+    dequantize_in_place(weights, config)
     # Refuses missing, unused or misshapen tensors in one sentence.
     build_assistant(config, dict(weights), None, dequantize=False)
     quantized = []
